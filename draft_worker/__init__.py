@@ -1,0 +1,1 @@
+"""Draft worker: drives the speculation loop for a session and proposes tokens."""

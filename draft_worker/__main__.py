@@ -1,0 +1,54 @@
+"""python -m draft_worker: propose tokens (a draft model or n-gram lookup) for verify workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.service import DraftServicer
+from tandem.config import add_common_flags, add_flag, add_model_flags
+from tandem.modeling import CausalLM, vocab_mismatch
+from tandem.server import InferenceThread, Service, setup_logging
+from tandem.v1 import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("draft_worker")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="draft_worker", description=__doc__)
+    add_common_flags(parser, default_port=50053)
+    add_model_flags(parser, default_model="qwen2.5-coder-0.5b-instruct")
+    add_flag(parser, "--target-model", default="",
+             help="the target this draft serves; when set, a vocabulary mismatch refuses start-up")
+    add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
+    return parser.parse_args(argv)
+
+
+async def main(args: argparse.Namespace) -> None:
+    drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
+    eos_ids: list[int] = []
+    vocab_size = None
+    if args.model and args.model != "none":
+        if args.target_model:
+            problem = vocab_mismatch(args.target_model, args.model)
+            if problem:
+                raise SystemExit(f"refusing to start: {problem}")
+        model = CausalLM(args.model, device=args.device, threads=args.threads)
+        drafters["model"] = ModelDrafter(model)
+        eos_ids, vocab_size = model.eos_ids, model.vocab_size
+    service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    inference = InferenceThread("draft")
+    internal_pb2_grpc.add_DraftServiceServicer_to_server(
+        DraftServicer(drafters, eos_ids, vocab_size, inference), service.server)
+    port = service.listen(args.host, args.port)
+    await service.serve(args.grace_seconds, on_ready=lambda: log.info(
+        "draft worker serving %s on %s:%d", sorted(drafters), args.host, port))
+    inference.shutdown()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    setup_logging(args.log_level)
+    asyncio.run(main(args))

@@ -1,0 +1,98 @@
+"""DraftService: runs the speculation loop of one request against its verify worker.
+
+Per round: propose k tokens (inference thread) -> send the Proposal -> read the Verdict ->
+extend the context with the accepted + bonus tokens -> stream them to the gateway. The drafter
+rolls its own cache back on the next propose, from the context it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from draft_worker.drafters import Draft, Drafter
+from tandem import wire
+from tandem.server import CHANNEL_OPTIONS, InferenceThread
+from tandem.v1 import internal_pb2 as pb
+from tandem.v1 import internal_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int,
+           max_context: int, max_proposal: int) -> int:
+    """How many tokens to propose this round: never more than can still be used (each round also
+    yields one bonus token) and never past the target's context window."""
+    room = min(max_new_tokens - generated - 1, max_context - context_len - 1, max_proposal)
+    return max(0, min(requested, room))
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
+                 inference: InferenceThread) -> None:
+        self.drafters = drafters
+        self.eos_ids = eos_ids
+        self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
+        self.inference = inference
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.live_sessions = 0
+
+    def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return pb_grpc.VerifyServiceStub(channel)
+
+    async def Generate(self, request: pb.DraftGenerateRequest, context: grpc.aio.ServicerContext):
+        drafter = self.drafters.get(request.method)
+        if drafter is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"draft method {request.method!r} is not served by this worker "
+                                f"(serves: {', '.join(sorted(self.drafters))})")
+        if not request.verify_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "verify_address is required")
+        params = wire.params_from_proto(request.sampling)
+        prompt = list(request.prompt_ids)
+        call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining())
+        state = None
+        self.live_sessions += 1
+        try:
+            await call.write(pb.VerifyRequest(open=pb.OpenSession(
+                session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
+            opened = (await self._read(call, context)).opened
+            if drafter.name == "model" and self.vocab_size not in (None, opened.vocab_size):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"draft model vocabulary ({self.vocab_size}) does not match the "
+                                    f"target's ({opened.vocab_size})")
+            state = drafter.start(params, self.eos_ids, len(prompt))
+            tokens = list(prompt)
+            while True:
+                k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
+                           params.max_new_tokens, opened.max_context, opened.max_proposal)
+                draft: Draft = await self.inference.run(state.propose, tokens, k)
+                proposal = pb.Proposal(token_ids=draft.tokens)
+                if draft.support is not None:
+                    proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
+                await call.write(pb.VerifyRequest(proposal=proposal))
+                verdict = (await self._read(call, context)).verdict
+                tokens.extend(verdict.token_ids)
+                yield pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
+                                    accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason)
+                if verdict.stop_reason:
+                    break
+            await call.done_writing()
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}")
+        finally:
+            self.live_sessions -= 1
+            call.cancel()
+            if state is not None:
+                await self.inference.run(state.close)
+
+    @staticmethod
+    async def _read(call, context) -> pb.VerifyResponse:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verify worker closed the session stream")
+        return msg

@@ -1,0 +1,1 @@
+"""Gateway: the public endpoint. Owns the tokenizer, validation, routing and text streaming."""

@@ -1,0 +1,94 @@
+"""Validated generation requests: the one shape both public faces are converted into."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from tandem.sampling import SamplingParams
+
+DRAFT_METHODS = ("model", "ngram", "none")
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class InvalidRequest(ValueError):
+    """A request that can never succeed; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_tokens: int = 2048
+    default_max_new_tokens: int = 128
+    max_stop_sequences: int = 6
+    max_stop_sequence_chars: int = 240
+    max_speculative_tokens: int = 16
+    default_speculative_tokens: int = 4
+    default_draft_method: str = "model"
+    max_prompt_chars: int = 1_000_000
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_sequences: list[str] = field(default_factory=list)
+    include_stop_sequence: bool = False
+    method: str = "model"          # model | ngram | none
+    k: int = 4                     # speculative tokens per round
+    session_id: str = ""
+
+
+def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: float, seed: int | None,
+                   max_new_tokens: int, min_new_tokens: int, stop_sequences: list[str]) -> SamplingParams:
+    """Validates sampling fields; 0 for max_new_tokens and top_p means 'use the default'."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = disabled), got {top_k}")
+    if top_p == 0:
+        top_p = 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens == 0:
+        max_new_tokens = limits.default_max_new_tokens
+    if not 1 <= max_new_tokens <= limits.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens must be between 1 and {limits.max_new_tokens}, got {max_new_tokens}")
+    if min_new_tokens < 0 or min_new_tokens > max_new_tokens:
+        raise InvalidRequest(f"min_new_tokens must be between 0 and max_new_tokens ({max_new_tokens}), "
+                             f"got {min_new_tokens}")
+    if len(stop_sequences) > limits.max_stop_sequences:
+        raise InvalidRequest(f"at most {limits.max_stop_sequences} stop sequences are allowed, "
+                             f"got {len(stop_sequences)}")
+    for i, s in enumerate(stop_sequences):
+        if not s:
+            raise InvalidRequest(f"stop_sequences[{i}] is empty")
+        if len(s) > limits.max_stop_sequence_chars:
+            raise InvalidRequest(f"stop_sequences[{i}] is {len(s)} characters; the limit is "
+                                 f"{limits.max_stop_sequence_chars}")
+    if seed is None:
+        import secrets
+        seed = secrets.randbits(63)
+    if seed < 0 or seed >= 2**63:
+        raise InvalidRequest(f"seed must be in [0, 2^63), got {seed}")
+    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                          seed=int(seed), max_new_tokens=int(max_new_tokens),
+                          min_new_tokens=int(min_new_tokens))
+
+
+def check_speculation(limits: Limits, method: str, k: int) -> tuple[str, int]:
+    method = method or limits.default_draft_method
+    if method not in DRAFT_METHODS:
+        raise InvalidRequest(f"unknown draft method {method!r}; use one of {', '.join(DRAFT_METHODS)}")
+    if k == 0:
+        k = limits.default_speculative_tokens
+    if not 1 <= k <= limits.max_speculative_tokens:
+        raise InvalidRequest(f"num_speculative_tokens must be between 1 and "
+                             f"{limits.max_speculative_tokens}, got {k}")
+    return method, k
+
+
+def check_session_id(session_id: str) -> str:
+    if session_id and not SESSION_ID.match(session_id):
+        raise InvalidRequest("session_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    return session_id

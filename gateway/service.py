@@ -1,0 +1,86 @@
+"""tandem.v1.GenerationService: protobuf in, GenRequest to the core, protobuf out."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from gateway.core import Delta, Final, GatewayError, GenerationCore
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
+                             check_speculation)
+from tandem.v1 import generation_pb2 as pb
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_METHODS = {pb.DRAFT_METHOD_UNSPECIFIED: "", pb.DRAFT_METHOD_MODEL: "model",
+            pb.DRAFT_METHOD_NGRAM: "ngram", pb.DRAFT_METHOD_NONE: "none"}
+_FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS,
+           "stop_sequence": pb.FINISH_REASON_STOP_SEQUENCE, "context_length": pb.FINISH_REASON_CONTEXT_LENGTH}
+
+
+def usage_proto(final: Final) -> pb.Usage:
+    u = final.usage
+    return pb.Usage(prompt_tokens=u.prompt_tokens, generated_tokens=u.generated_tokens,
+                    draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
+                    verify_rounds=u.verify_rounds, acceptance_rate=u.acceptance_rate,
+                    mean_accepted_length=u.mean_accepted_length, draft_method=u.draft_method)
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, core: GenerationCore, limits: Limits) -> None:
+        self.core = core
+        self.limits = limits
+
+    def to_request(self, m: pb.GenerateRequest) -> GenRequest:
+        which = m.WhichOneof("input")
+        if which == "chat":
+            ids = self.core.encode_chat([(x.role, x.content) for x in m.chat.messages])
+        else:
+            if len(m.prompt) > self.limits.max_prompt_chars:
+                raise InvalidRequest(f"prompt is {len(m.prompt)} characters; the limit is "
+                                     f"{self.limits.max_prompt_chars}")
+            ids = self.core.encode_prompt(m.prompt)
+        self.core.check_length(ids)
+        s = m.sampling
+        params = check_sampling(self.limits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                seed=s.seed if s.HasField("seed") else None,
+                                max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                                stop_sequences=list(s.stop_sequences))
+        if m.speculation.method not in _METHODS:
+            raise InvalidRequest(f"unknown speculation.method value {m.speculation.method}")
+        method, k = check_speculation(self.limits, _METHODS[m.speculation.method],
+                                      m.speculation.num_speculative_tokens)
+        return GenRequest(prompt_ids=ids, params=params, stop_sequences=list(s.stop_sequences),
+                          method=method, k=k, session_id=check_session_id(m.session_id))
+
+    async def _events(self, request, context):
+        try:
+            req = self.to_request(request)
+            async for event in self.core.stream(req, context.time_remaining()):
+                yield event
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def Generate(self, request, context):
+        parts: list[str] = []
+        async for event in self._events(request, context):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            else:
+                return pb.GenerateResponse(text="".join(parts), finish_reason=_FINISH[event.finish_reason],
+                                           usage=usage_proto(event), session_id=event.session_id,
+                                           stop_sequence=event.stop_sequence)
+
+    async def GenerateStream(self, request, context):
+        async for event in self._events(request, context):
+            if isinstance(event, Delta):
+                if event.text or event.token_count:
+                    yield pb.GenerateStreamResponse(text=event.text, token_count=event.token_count)
+            else:
+                yield pb.GenerateStreamResponse(finish_reason=_FINISH[event.finish_reason],
+                                                usage=usage_proto(event), session_id=event.session_id,
+                                                stop_sequence=event.stop_sequence)

@@ -1,0 +1,41 @@
+"""Command-line flags with environment-variable twins (`--max-batch` <-> `TANDEM_MAX_BATCH`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def env_name(flag: str) -> str:
+    return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any, type: type = str,
+             help: str = "") -> None:
+    """Adds `flag`; its default comes from the environment twin when that is set."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    value = default
+    if raw is not None:
+        value = (raw.lower() in ("1", "true", "yes", "on")) if type is bool else type(raw)
+    if type is bool:
+        parser.add_argument(flag, default=value, action=argparse.BooleanOptionalAction,
+                            help=f"{help} [env {env}]")
+    else:
+        parser.add_argument(flag, default=value, type=type, help=f"{help} [env {env}, default {default}]")
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
+    add_flag(parser, "--port", default=default_port, type=int, help="gRPC port")
+    add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_flag(parser, "--grace-seconds", default=10.0, type=float,
+             help="how long in-flight streams may finish after SIGTERM")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
+    add_flag(parser, "--model", default=default_model,
+             help="preset name, Hugging Face folder or .gguf file")
+    add_flag(parser, "--threads", default=2, type=int, help="torch intra-op threads")
+    add_flag(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda")

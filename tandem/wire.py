@@ -1,0 +1,48 @@
+"""Conversions between internal protobuf messages and plain Python values, kept at the edges."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.sampling import SamplingParams
+from tandem.v1 import internal_pb2 as pb
+
+
+def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
+    return pb.WorkerSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                             max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens)
+
+
+def params_from_proto(m: pb.WorkerSampling) -> SamplingParams:
+    return SamplingParams(temperature=float(m.temperature), top_k=int(m.top_k),
+                          top_p=float(m.top_p) if m.top_p > 0 else 1.0, seed=int(m.seed),
+                          max_new_tokens=int(m.max_new_tokens), min_new_tokens=int(m.min_new_tokens))
+
+
+def support_to_proto(ids: torch.Tensor, probs: torch.Tensor) -> pb.DraftDistribution:
+    """ids [m] int64, probs [m] float32 -> a sparse DraftDistribution."""
+    return pb.DraftDistribution(token_ids=ids.tolist(),
+                                probs=probs.to(torch.float32).numpy().astype("<f4").tobytes())
+
+
+def dense_draft_probs(dists, k: int, vocab: int) -> torch.Tensor | None:
+    """The sparse distributions of a Proposal -> q [k, V], or None when there are none.
+
+    Raises ValueError on malformed input (wrong count, ids outside the vocabulary, bad probs)."""
+    if len(dists) == 0:
+        return None
+    if len(dists) != k:
+        raise ValueError(f"proposal has {k} tokens but {len(dists)} draft distributions")
+    q = torch.zeros(k, vocab, dtype=torch.float32)
+    for i, d in enumerate(dists):
+        if len(d.probs) != 4 * len(d.token_ids):
+            raise ValueError(f"draft distribution {i}: {len(d.token_ids)} ids but {len(d.probs)} prob bytes")
+        ids = torch.tensor(list(d.token_ids), dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"draft distribution {i}: token id outside the vocabulary [0, {vocab})")
+        probs = torch.from_numpy(np.frombuffer(d.probs, dtype="<f4").copy())
+        if not torch.isfinite(probs).all() or (probs < 0).any():
+            raise ValueError(f"draft distribution {i}: probabilities must be finite and >= 0")
+        q[i, ids] = probs
+    return q

@@ -1,0 +1,24 @@
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+from tandem.testing import build_tiny_pair
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target folder, draft folder): tiny seeded Llamas sharing a tokenizer."""
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_pair):
+    from tandem.modeling import CausalLM
+    target, draft = tiny_pair
+    return CausalLM(str(target)), CausalLM(str(draft))

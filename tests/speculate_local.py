@@ -1,0 +1,50 @@
+"""The speculation loop run in one process (no gRPC), with the same engine and drafters the
+workers use; for tests that need thousands of generations."""
+
+from __future__ import annotations
+
+from draft_worker.drafters import Drafter
+from draft_worker.service import plan_k
+from tandem.modeling import CausalLM, SessionCache
+from tandem.sampling import SamplingParams, make_generator, probabilities, sample, suppress_eos
+from verify_worker.engine import STOP_NONE, VerifyEngine
+
+
+def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
+              k: int) -> tuple[list[int], int, int]:
+    """Returns (generated tokens, drafted, accepted)."""
+    import torch
+    s = engine.open("local", prompt, params)
+    state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
+    drafted = accepted = 0
+    while s.stop_reason == STOP_NONE:
+        kk = plan_k(k, len(s.tokens), s.generated, params.max_new_tokens, engine.model.max_context,
+                    engine.max_proposal) if state else 0
+        draft = state.propose(list(s.tokens), kk) if state else None
+        tokens = draft.tokens if draft else []
+        q = None
+        if draft is not None and draft.support is not None and not params.greedy:
+            q = torch.zeros(len(tokens), engine.model.vocab_size)
+            for i, (ids, probs) in enumerate(draft.support):
+                q[i, ids] = probs
+        v = engine.verify(s, tokens, q)
+        drafted += len(tokens)
+        accepted += v.accepted
+    return s.tokens[len(prompt):], drafted, accepted
+
+
+def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The target alone, token by token, the way a plain decoder does it."""
+    cache = SessionCache()
+    g = make_generator(params.seed, stream=0)
+    logits = model.forward(prompt, cache)[-1:]
+    out: list[int] = []
+    while True:
+        logits = suppress_eos(logits, model.eos_ids, len(out), params.min_new_tokens)
+        t = int(logits[0].argmax()) if params.greedy else sample(probabilities(logits, params)[0], g)
+        if t in model.eos_ids:
+            return out
+        out.append(t)
+        if len(out) >= params.max_new_tokens or len(prompt) + len(out) >= model.max_context:
+            return out
+        logits = model.forward([t], cache)

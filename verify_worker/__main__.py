@@ -1,0 +1,42 @@
+"""python -m verify_worker: serve a target model for verification and plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from tandem.config import add_common_flags, add_flag, add_model_flags
+from tandem.modeling import CausalLM
+from tandem.server import InferenceThread, Service, setup_logging
+from tandem.v1 import internal_pb2, internal_pb2_grpc
+from verify_worker.engine import VerifyEngine
+from verify_worker.service import VerifyServicer
+
+log = logging.getLogger("verify_worker")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="verify_worker", description=__doc__)
+    add_common_flags(parser, default_port=50052)
+    add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct")
+    add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
+    return parser.parse_args(argv)
+
+
+async def main(args: argparse.Namespace) -> None:
+    model = CausalLM(args.model, device=args.device, threads=args.threads)
+    engine = VerifyEngine(model, max_proposal=args.max_proposal)
+    service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name])
+    inference = InferenceThread("verify")
+    internal_pb2_grpc.add_VerifyServiceServicer_to_server(VerifyServicer(engine, inference), service.server)
+    port = service.listen(args.host, args.port)
+    await service.serve(args.grace_seconds,
+                        on_ready=lambda: log.info("verify worker serving %s on %s:%d", args.model, args.host, port))
+    inference.shutdown()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    setup_logging(args.log_level)
+    asyncio.run(main(args))
