@@ -1,0 +1,145 @@
+"""Start the whole service locally: verify worker, draft worker and gateway as three processes.
+
+`python -m tandem.launch` (what `make run` calls) fetches the default models if needed, starts
+the services, streams one demonstration request and keeps serving until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.config import add_flag
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(proc.args)} exited with status {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout:.0f}s")
+
+
+@dataclass
+class Stack:
+    """Three service processes on loopback ports."""
+
+    target: str
+    draft: str                       # a model spec, or "none" for n-gram drafting only
+    threads: int = 2
+    host: str = "127.0.0.1"
+    gateway_port: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    gateway_args: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def address(self, name: str) -> str:
+        return f"{self.host}:{self.ports[name]}"
+
+    def _spawn(self, name: str, args: list[str], port: int) -> None:
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.extra_env}
+        self.ports[name] = port
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", name, "--host", self.host,
+                                             "--port", str(port), *args], env=env)
+
+    def start(self, timeout: float = 600) -> "Stack":
+        try:
+            self._spawn("verify_worker", ["--model", self.target, "--threads", str(self.threads)], free_port())
+            self._spawn("draft_worker", ["--model", self.draft, "--target-model", self.target,
+                                         "--threads", str(self.threads)], free_port())
+            for name in ("verify_worker", "draft_worker"):
+                wait_serving(self.address(name), self.procs[name], timeout)
+            self._spawn("gateway", ["--model", self.target, "--verify-workers", self.address("verify_worker"),
+                                    "--draft-workers", self.address("draft_worker"), *self.gateway_args],
+                        self.gateway_port or free_port())
+            wait_serving(self.address("gateway"), self.procs["gateway"], timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 15) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem.launch", description=__doc__)
+    add_flag(parser, "--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
+    add_flag(parser, "--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or none")
+    add_flag(parser, "--threads", default=2, type=int, help="torch threads per worker process")
+    add_flag(parser, "--gateway-port", default=50051, type=int, help="public port")
+    add_flag(parser, "--demo", default=True, type=bool, help="stream one request once serving")
+    args = parser.parse_args(argv)
+
+    from tandem import presets
+    for spec in (args.target, args.draft):
+        if spec and spec != "none":
+            print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
+    stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port)
+    stack.start()
+    print(f"\nTandem is serving on {stack.address('gateway')} "
+          f"(verify {stack.address('verify_worker')}, draft {stack.address('draft_worker')})", flush=True)
+    try:
+        if args.demo:
+            from tandem import client
+            print(f"\n>>> {DEMO_PROMPT}\n", flush=True)
+            client.run(stack.address("gateway"), DEMO_PROMPT, chat=True, max_new_tokens=160)
+        print("\nPress Ctrl-C to stop.", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nstopping...", flush=True)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()
