@@ -36,7 +36,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
         self.inference = inference
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.live_sessions = 0
+        self.sessions: dict[int, object] = {}     # drafter state by stream, while the stream lives
 
     def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
         channel = self._channels.get(address)
@@ -56,7 +56,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         prompt = list(request.prompt_ids)
         call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining())
         state = None
-        self.live_sessions += 1
         try:
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
                 session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
@@ -65,7 +64,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"draft model vocabulary ({self.vocab_size}) does not match the "
                                     f"target's ({opened.vocab_size})")
-            state = drafter.start(params, self.eos_ids, len(prompt))
+            state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
             tokens = list(prompt)
             while True:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
@@ -85,10 +84,15 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}")
         finally:
-            self.live_sessions -= 1
+            self.sessions.pop(id(context), None)
             call.cancel()
             if state is not None:
                 await self.inference.run(state.close)
+
+    async def Status(self, request, context) -> pb.WorkerStatus:
+        kv = sum(s.cache.nbytes() for s in self.sessions.values() if hasattr(s, "cache"))
+        return pb.WorkerStatus(model=",".join(sorted(self.drafters)), live_sessions=len(self.sessions),
+                               kv_bytes=kv)
 
     @staticmethod
     async def _read(call, context) -> pb.VerifyResponse:

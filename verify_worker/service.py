@@ -10,7 +10,7 @@ from tandem import wire
 from tandem.server import InferenceThread
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
-from verify_worker.engine import STOP_NONE, ProtocolError, VerifyEngine
+from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +19,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine, inference: InferenceThread) -> None:
         self.engine = engine
         self.inference = inference
-        self.live_sessions = 0
+        self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         session = None
-        self.live_sessions += 1
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("kind")
@@ -33,6 +32,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                             "session already open on this stream")
                     session = await self._call(context, self.engine.open, req.open.session_id,
                                                list(req.open.prompt_ids), wire.params_from_proto(req.open.sampling))
+                    self.sessions[id(context)] = session
                     yield pb.VerifyResponse(opened=pb.Opened(
                         cached_tokens=session.cache.length, vocab_size=self.engine.model.vocab_size,
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context))
@@ -56,20 +56,24 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty VerifyRequest")
         finally:
-            self.live_sessions -= 1
+            self.sessions.pop(id(context), None)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        self.live_sessions += 1
         try:
             session = await self._call(context, self.engine.open, request.session_id,
                                        list(request.prompt_ids), wire.params_from_proto(request.sampling))
+            self.sessions[id(context)] = session
             while True:
                 verdict = await self._call(context, self.engine.decode, session)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason)
                 if verdict.stop_reason != STOP_NONE:
                     return
         finally:
-            self.live_sessions -= 1
+            self.sessions.pop(id(context), None)
+
+    async def Status(self, request, context) -> pb.WorkerStatus:
+        return pb.WorkerStatus(model=self.engine.model.name, live_sessions=len(self.sessions),
+                               kv_bytes=sum(s.cache.nbytes() for s in self.sessions.values()))
 
     async def _call(self, context, fn, *args):
         try:
