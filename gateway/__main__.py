@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from gateway.core import GenerationCore, WorkerPool
 from gateway.request import Limits
 from gateway.service import GenerationServicer
+from gateway.tgis import add_tgis_service
 from tandem.config import add_common_flags, add_flag
 from tandem.modeling import load_tokenizer, resolve
 from tandem.server import Service, setup_logging
@@ -48,18 +49,11 @@ async def main(args: argparse.Namespace) -> None:
                     default_speculative_tokens=args.default_speculative_tokens,
                     default_draft_method=args.default_draft_method)
     core = build_core(args)
-    names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
-    tgis = None
-    try:
-        from gateway.tgis import add_tgis_service
-        tgis = add_tgis_service
-        names.append("fmaas.GenerationService")
-    except ImportError:
-        log.warning("TGIS face unavailable (fmaas protos not built)")
+    names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+             "fmaas.GenerationService"]
     service = Service(names)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), service.server)
-    if tgis:
-        tgis(service.server, core, limits)
+    add_tgis_service(service.server, core, limits)
     port = service.listen(args.host, args.port)
     await service.serve(args.grace_seconds, on_ready=lambda: log.info(
         "gateway serving %s on %s:%d", args.model, args.host, port))

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tandem.presets")  # not __name__: that is "__main__" under -m
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -232,12 +232,22 @@ def _convert_once(key: str, gguf: Path) -> Path:
     try:
         start = time.monotonic()
         _convert(gguf, tmp)
+        _make_readable(tmp)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("%s: converted in %.1f s -> %s", key, time.monotonic() - start, final)
     return final
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp (and the safetensors writer) create owner-only modes; a cache is shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for item in folder.iterdir():
+        item.chmod(0o666 & ~umask)
 
 
 def _convert(gguf: Path, out: Path) -> None:

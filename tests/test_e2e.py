@@ -11,7 +11,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
-from tests.speculate_local import reference
+from draft_worker.local import reference
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from tandem.sampling import SamplingParams
-from tests.speculate_local import reference, speculate
+from draft_worker.local import reference, speculate
 from verify_worker.engine import VerifyEngine
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox", "Grüße 🙂"]

@@ -10,7 +10,7 @@ import torch
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from tandem.modeling import SessionCache
 from tandem.sampling import SamplingParams, probabilities
-from tests.speculate_local import speculate
+from draft_worker.local import speculate
 from verify_worker.engine import VerifyEngine
 
 N_SAMPLES = 1500

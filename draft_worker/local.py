@@ -1,5 +1,5 @@
 """The speculation loop run in one process (no gRPC), with the same engine and drafters the
-workers use; for tests that need thousands of generations."""
+workers use: for tests that need thousands of generations and for measuring what the network costs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,272 @@
+"""fmaas.GenerationService (the TGIS API): protobuf in, GenRequest to the core, protobuf out.
+
+Unmodified TGIS clients talk to Tandem through this face. The TGIS wire format has no place for
+Tandem's speculation knobs, so those arrive as request metadata (x-tandem-*). TGIS features
+Tandem does not implement are refused with INVALID_ARGUMENT naming the field, never silently
+ignored: a client asking for them would otherwise get output it did not ask for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from fmaas import generation_pb2 as pb
+from fmaas import generation_pb2_grpc as pb_grpc
+from gateway.core import Delta, Final, GatewayError, GenerationCore, Usage
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
+                             check_speculation)
+
+log = logging.getLogger(__name__)
+
+MD_METHOD = "x-tandem-draft-method"
+MD_K = "x-tandem-num-speculative-tokens"
+MD_SESSION = "x-tandem-session-id"
+
+FINISH_TIME_LIMIT = "time_limit"   # decided here, not by the core: the time limit is a TGIS notion
+_STOP_REASON = {"length": pb.MAX_TOKENS, "eos": pb.EOS_TOKEN, "stop_sequence": pb.STOP_SEQUENCE,
+                "context_length": pb.TOKEN_LIMIT, FINISH_TIME_LIMIT: pb.TIME_LIMIT}
+_GUIDED_FIELDS = ("format", "json_schema", "regex", "choice", "grammar")
+
+
+def _unsupported(field: str) -> InvalidRequest:
+    return InvalidRequest(f"{field} is not supported by Tandem")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One prompt of a TGIS request, validated, plus the TGIS-only options the core never sees."""
+    req: GenRequest
+    text: str                  # the input text, echoed when response.input_text is set
+    echo_input: bool
+    seed: int                  # reported back; 0 under greedy (TGIS reports seeds only for sampling)
+    time_limit_s: float | None
+
+
+class TgisServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, core: GenerationCore, limits: Limits) -> None:
+        self.core = core
+        self.limits = limits
+
+    # ---- conversion at the edge ----
+
+    def _check_model(self, model_id: str) -> None:
+        # TGIS clients always send a model_id; empty is accepted for convenience.
+        if model_id and model_id != self.core.model_name:
+            raise InvalidRequest(f"model_id {model_id!r} is not served here; this server serves "
+                                 f"{self.core.model_name!r}")
+
+    @staticmethod
+    def _check_unsupported(m: pb.SingleGenerationRequest | pb.BatchedGenerationRequest) -> None:
+        if m.prefix_id:
+            raise _unsupported("prefix_id")
+        if m.adapter_id:
+            raise _unsupported("adapter_id")
+        p = m.params
+        if p.truncate_input_tokens:
+            raise _unsupported("params.truncate_input_tokens")
+        d = p.decoding
+        if d.repetition_penalty not in (0.0, 1.0):     # 0 and 1 both mean "off"
+            raise _unsupported("params.decoding.repetition_penalty")
+        if d.HasField("length_penalty"):
+            raise _unsupported("params.decoding.length_penalty")
+        guided = d.WhichOneof("guided")
+        if guided is not None and not (guided == "format" and d.format == pb.DecodingParameters.TEXT):
+            raise _unsupported(f"params.decoding.{guided} (guided decoding)")   # TEXT = unconstrained
+        r = p.response
+        for name in ("input_tokens", "token_logprobs", "token_ranks", "top_n_tokens"):
+            if getattr(r, name):
+                raise _unsupported(f"params.response.{name}")
+        # Per-token details need token ids the core does not hand out (it streams text).
+        if r.generated_tokens:
+            raise _unsupported("params.response.generated_tokens")
+        # Under GREEDY TGIS ignores the sampling message entirely, so only check it for SAMPLE.
+        if p.method == pb.SAMPLE and p.sampling.typical_p not in (0.0, 1.0):
+            raise _unsupported("params.sampling.typical_p")
+
+    def _speculation(self, context: grpc.aio.ServicerContext, batch_size: int) -> tuple[str, int, str]:
+        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        raw_k = md.get(MD_K, "").strip()
+        try:
+            k = int(raw_k) if raw_k else 0
+        except ValueError:
+            raise InvalidRequest(f"{MD_K} must be an integer, got {raw_k!r}") from None
+        method, k = check_speculation(self.limits, md.get(MD_METHOD, "").strip(), k)
+        session_id = check_session_id(md.get(MD_SESSION, ""))
+        # One session id on several concurrent generations would make them indistinguishable.
+        if session_id and batch_size > 1:
+            raise InvalidRequest(f"{MD_SESSION} names one generation; this batch has {batch_size} requests")
+        return method, k, session_id
+
+    def _job(self, text: str, p: pb.Parameters, method: str, k: int, session_id: str) -> _Job:
+        if len(text) > self.limits.max_prompt_chars:
+            raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.limits.max_prompt_chars}")
+        ids = self.core.encode_prompt(text)
+        self.core.check_length(ids)
+        stopping = p.stopping
+        stops = list(stopping.stop_sequences)
+        if p.method == pb.SAMPLE:
+            s = p.sampling
+            # TGIS reads temperature 0 under SAMPLE as "unset", i.e. 1.0, never as greedy.
+            temperature, top_k, top_p = (s.temperature or 1.0), s.top_k, s.top_p
+            seed = s.seed if s.HasField("seed") else None
+        elif p.method == pb.GREEDY:
+            temperature, top_k, top_p, seed = 0.0, 0, 0.0, 0
+        else:
+            raise InvalidRequest(f"unknown params.method value {p.method}")
+        params = check_sampling(self.limits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                max_new_tokens=stopping.max_new_tokens,
+                                min_new_tokens=stopping.min_new_tokens, stop_sequences=stops)
+        req = GenRequest(prompt_ids=ids, params=params, stop_sequences=stops,
+                         include_stop_sequence=stopping.include_stop_sequence,   # unset = False
+                         method=method, k=k, session_id=session_id)
+        return _Job(req, text, p.response.input_text, params.seed if p.method == pb.SAMPLE else 0,
+                    stopping.time_limit_millis / 1000 if stopping.time_limit_millis else None)
+
+    # ---- generation ----
+
+    async def _events(self, job: _Job, context: grpc.aio.ServicerContext) -> AsyncIterator[Delta | Final]:
+        """The core's events; when the time limit runs out, a Final with what was produced so far.
+
+        Only the wait for the next event is under the limit, so the limit never fires while the
+        caller is busy with an event. Cancelling that wait closes the core's stream, which cancels
+        the worker call and frees the worker."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + job.time_limit_s if job.time_limit_s is not None else None
+        events = aiter(self.core.stream(job.req, context.time_remaining()))
+        generated = 0
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    yield Final(FINISH_TIME_LIMIT, Usage(prompt_tokens=len(job.req.prompt_ids),
+                                                         generated_tokens=generated,
+                                                         draft_method=job.req.method),
+                                job.req.session_id)
+                    return
+                if isinstance(event, Delta):
+                    generated += event.token_count
+                yield event
+                if isinstance(event, Final):
+                    return
+        finally:
+            await events.aclose()     # a no-op when the core's stream has already ended
+
+    async def _generate_one(self, job: _Job, context: grpc.aio.ServicerContext) -> pb.GenerationResponse:
+        parts = [job.text] if job.echo_input else []
+        count, final = 0, None
+        async for event in self._events(job, context):     # run to the end: the stream closes itself
+            if isinstance(event, Delta):
+                parts.append(event.text)
+                count += event.token_count
+            else:
+                final = event
+        if final is None:
+            raise GatewayError(grpc.StatusCode.INTERNAL, "generation ended without a final event")
+        return pb.GenerationResponse(text="".join(parts), generated_token_count=count,
+                                     input_token_count=len(job.req.prompt_ids),
+                                     stop_reason=_STOP_REASON[final.finish_reason],
+                                     stop_sequence=final.stop_sequence, seed=job.seed)
+
+    async def Generate(self, request: pb.BatchedGenerationRequest,
+                       context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
+        try:
+            self._check_model(request.model_id)
+            self._check_unsupported(request)
+            if not request.requests:
+                raise InvalidRequest("requests must not be empty")
+            method, k, session_id = self._speculation(context, len(request.requests))
+            # Validate every prompt before starting any: a bad one fails the batch at no cost.
+            jobs = []
+            for i, r in enumerate(request.requests):
+                try:
+                    jobs.append(self._job(r.text, request.params, method, k, session_id))
+                except InvalidRequest as e:
+                    raise InvalidRequest(f"requests[{i}]: {e}") from None
+            tasks = [asyncio.ensure_future(self._generate_one(j, context)) for j in jobs]
+            try:
+                responses = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:       # one failure fails the batch; stop the others' generation
+                    t.cancel()
+            return pb.BatchedGenerationResponse(responses=responses)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    async def GenerateStream(self, request: pb.SingleGenerationRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerationResponse]:
+        try:
+            self._check_model(request.model_id)
+            self._check_unsupported(request)
+            method, k, session_id = self._speculation(context, 1)
+            job = self._job(request.request.text, request.params, method, k, session_id)
+            # TGIS sends the input details first, before any generated text.
+            yield pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
+                                        text=job.text if job.echo_input else "", seed=job.seed)
+            count = 0
+            async for event in self._events(job, context):
+                if isinstance(event, Delta):
+                    if event.text or event.token_count:
+                        count += event.token_count
+                        yield pb.GenerationResponse(text=event.text, generated_token_count=count)
+                else:
+                    # A message of its own: holding each delta back until the next one shows whether
+                    # it is the last would delay every chunk by one verify round.
+                    yield pb.GenerationResponse(generated_token_count=count,
+                                                stop_reason=_STOP_REASON[event.finish_reason],
+                                                stop_sequence=event.stop_sequence, seed=job.seed)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    # ---- tokenizer and model facts ----
+
+    async def Tokenize(self, request: pb.BatchedTokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
+        try:
+            self._check_model(request.model_id)
+            tok = self.core.tokenizer
+            if request.return_offsets and not getattr(tok, "is_fast", False):
+                raise InvalidRequest("return_offsets needs a fast tokenizer; this model's is not")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        out = pb.BatchedTokenizeResponse()
+        for r in request.requests:
+            # The same encoding as encode_prompt, so token_count equals input_token_count.
+            enc = tok(r.text, return_offsets_mapping=request.return_offsets)
+            ids = list(enc.input_ids)
+            offsets = list(enc.offset_mapping) if request.return_offsets else []
+            n = request.truncate_input_tokens
+            if 0 < n < len(ids):       # TGIS keeps the last n tokens
+                ids, offsets = ids[-n:], offsets[-n:]
+            resp = out.responses.add(token_count=len(ids))
+            if request.return_tokens:
+                resp.tokens.extend(tok.convert_ids_to_tokens(ids))
+            for start, end in offsets:
+                resp.offsets.add(start=start, end=end)
+        return out
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        try:
+            self._check_model(request.model_id)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
+                                    max_sequence_length=self.core.max_context,
+                                    max_new_tokens=self.limits.max_new_tokens)
+
+
+def add_tgis_service(server: grpc.aio.Server, core: GenerationCore, limits: Limits) -> None:
+    pb_grpc.add_GenerationServiceServicer_to_server(TgisServicer(core, limits), server)

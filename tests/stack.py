@@ -1,0 +1,123 @@
+"""The whole Tandem stack inside the test process: verify worker, draft worker and gateway (both
+public faces) as aio gRPC servers on free loopback ports, over tiny seeded models.
+
+Faster to start than processes and lets a test look at the servicers' state. Use it with
+`from tests.stack import stack` in a test module (the import makes the fixture visible), or call
+start_stack / stop_stack directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest_asyncio
+
+from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.service import DraftServicer
+from fmaas import generation_pb2_grpc as fmaas_grpc
+from gateway.core import GenerationCore, WorkerPool
+from gateway.request import Limits
+from gateway.service import GenerationServicer
+from gateway.tgis import add_tgis_service
+from tandem.modeling import CausalLM
+from tandem.server import CHANNEL_OPTIONS, InferenceThread
+from tandem.v1 import generation_pb2_grpc as tandem_grpc
+from tandem.v1 import internal_pb2 as internal_pb
+from tandem.v1 import internal_pb2_grpc as internal_grpc
+from verify_worker.engine import VerifyEngine
+from verify_worker.service import VerifyServicer
+
+
+@dataclass
+class InProcessStack:
+    gateway_address: str
+    verify_address: str
+    draft_address: str
+    core: GenerationCore
+    limits: Limits
+    verify: VerifyServicer
+    draft: DraftServicer
+    channel: grpc.aio.Channel                    # to the gateway
+    _servers: list[grpc.aio.Server] = field(default_factory=list)
+    _threads: list[InferenceThread] = field(default_factory=list)
+
+    @property
+    def tandem(self) -> tandem_grpc.GenerationServiceStub:
+        return tandem_grpc.GenerationServiceStub(self.channel)
+
+    @property
+    def tgis(self) -> fmaas_grpc.GenerationServiceStub:
+        return fmaas_grpc.GenerationServiceStub(self.channel)
+
+
+async def live_sessions(stack: InProcessStack) -> tuple[int, int]:
+    """(verify, draft) sessions the workers hold, through their Status RPC."""
+    out = []
+    for stub_cls, address in ((internal_grpc.VerifyServiceStub, stack.verify_address),
+                              (internal_grpc.DraftServiceStub, stack.draft_address)):
+        async with grpc.aio.insecure_channel(address) as ch:
+            out.append((await stub_cls(ch).Status(internal_pb.StatusRequest(), timeout=10)).live_sessions)
+    return out[0], out[1]
+
+
+async def wait_until_idle(stack: InProcessStack, timeout: float = 5.0) -> tuple[int, int]:
+    """Waits for both workers to hold no session; returns the last counts seen."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        counts = await live_sessions(stack)
+        if counts == (0, 0) or loop.time() > end:
+            return counts
+        await asyncio.sleep(0.05)
+
+
+async def _serve(add) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    add(server)
+    port = server.add_insecure_port("127.0.0.1:0")     # 0: the OS picks a free port
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None) -> InProcessStack:
+    limits = limits or Limits()
+    target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
+    v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
+    verify = VerifyServicer(VerifyEngine(target_model), v_thread)
+    v_server, v_addr = await _serve(lambda s: internal_grpc.add_VerifyServiceServicer_to_server(verify, s))
+    draft_servicer = DraftServicer({"ngram": NgramDrafter(), "model": ModelDrafter(draft_model)},
+                                   draft_model.eos_ids, draft_model.vocab_size, d_thread)
+    d_server, d_addr = await _serve(lambda s: internal_grpc.add_DraftServiceServicer_to_server(draft_servicer, s))
+    from transformers import AutoTokenizer
+    core = GenerationCore(AutoTokenizer.from_pretrained(str(target)), str(target), target_model.max_context,
+                          WorkerPool([d_addr]), WorkerPool([v_addr]))
+
+    def add_gateway(server: grpc.aio.Server) -> None:
+        tandem_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), server)
+        add_tgis_service(server, core, limits)
+
+    g_server, g_addr = await _serve(add_gateway)
+    return InProcessStack(g_addr, v_addr, d_addr, core, limits, verify, draft_servicer,
+                          grpc.aio.insecure_channel(g_addr, options=CHANNEL_OPTIONS),
+                          [g_server, d_server, v_server], [v_thread, d_thread])
+
+
+async def stop_stack(stack: InProcessStack) -> None:
+    await stack.channel.close()
+    for server in stack._servers:               # gateway first, so nothing new reaches the workers
+        await server.stop(None)
+    await stack.core.drafts.close()
+    await stack.core.verifiers.close()
+    for thread in stack._threads:
+        thread.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(tiny_pair):
+    target, draft = tiny_pair
+    s = await start_stack(target, draft)
+    yield s
+    await stop_stack(s)
