@@ -1,0 +1,171 @@
+"""make bench: the same prompts through the running service (draft none / model / ngram) and
+through transformers' in-process assisted generation with the same models, interleaved in one run.
+
+Also measures one verify round's overhead (gRPC, serialization, bookkeeping) with tiny models:
+the same generation through the service and through the same engine in one process.
+Prints a table and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from tandem.client import build_request
+from tandem.launch import Stack
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Write a Python class Stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+]
+
+
+def service_run(stub, tok, prompt: str, method: str, k: int, n: int) -> dict:
+    req = build_request(prompt, chat=True, max_new_tokens=n, method=method, k=k)
+    start = time.perf_counter()
+    r = stub.Generate(req, timeout=1800)
+    wall = time.perf_counter() - start
+    u = r.usage
+    return {"tokens": u.generated_tokens, "seconds": wall, "tok_s": u.generated_tokens / wall,
+            "drafted": u.draft_tokens, "accepted": u.accepted_tokens, "rounds": u.verify_rounds, "text": r.text}
+
+
+def hf_run(target, draft, tok, prompt: str, n: int) -> dict:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    kwargs = {"assistant_model": draft} if draft is not None else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(ids, max_new_tokens=n, do_sample=False, **kwargs)
+    wall = time.perf_counter() - start
+    gen = out.shape[1] - ids.shape[1]
+    return {"tokens": gen, "seconds": wall, "tok_s": gen / wall,
+            "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    rates = [r["tok_s"] for r in runs]
+    drafted = sum(r.get("drafted", 0) for r in runs)
+    accepted = sum(r.get("accepted", 0) for r in runs)
+    rounds = sum(r.get("rounds", 0) for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    return {"tok_s_median": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
+            "tok_s_total": tokens / sum(r["seconds"] for r in runs),
+            "acceptance": accepted / drafted if drafted else None,
+            "mean_accepted_length": tokens / rounds if rounds else None, "runs": len(runs)}
+
+
+def overhead(rounds_tokens: int = 96) -> dict:
+    """Per verify round: (service wall time - same loop in process) / rounds, tiny models, k=4."""
+    from draft_worker.drafters import ModelDrafter
+    from draft_worker.local import speculate
+    from tandem.modeling import CausalLM, load_tokenizer
+    from tandem.sampling import SamplingParams
+    from tandem.testing import build_tiny_pair
+    from verify_worker.engine import VerifyEngine
+
+    root = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))
+    target, draft = build_tiny_pair(root)
+    tok = load_tokenizer(str(target))
+    torch.set_num_threads(1)
+    engine, drafter = VerifyEngine(CausalLM(str(target))), ModelDrafter(CausalLM(str(draft)))
+    prompt = "def add(a, b):"
+    ids = tok(prompt).input_ids
+    params = SamplingParams(max_new_tokens=rounds_tokens, min_new_tokens=rounds_tokens)
+    local, remote = [], []
+    with Stack(str(target), str(draft), threads=1) as stack, grpc.insecure_channel(stack.address("gateway")) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        req = build_request(prompt, max_new_tokens=rounds_tokens, method="model", k=4)
+        req.sampling.min_new_tokens = rounds_tokens
+        for i in range(12):
+            t = time.perf_counter()
+            r = stub.Generate(req, timeout=60)
+            remote.append((time.perf_counter() - t) / r.usage.verify_rounds)
+            t = time.perf_counter()
+            speculate(engine, drafter, ids, params, 4)
+            local.append((time.perf_counter() - t) / max(1, r.usage.verify_rounds))
+    per_round = [1000 * (a - b) for a, b in zip(remote[2:], local[2:])]
+    return {"overhead_ms_median": statistics.median(per_round), "overhead_ms_min": min(per_round),
+            "overhead_ms_max": max(per_round), "service_round_ms": 1000 * statistics.median(remote[2:]),
+            "in_process_round_ms": 1000 * statistics.median(local[2:])}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="bench.e2e", description=__doc__)
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS))
+    p.add_argument("-k", type=int, default=7, help="speculative tokens per round (model)")
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--skip-models", action="store_true", help="only the overhead measurement")
+    p.add_argument("--out", default="bench/results/e2e.json")
+    a = p.parse_args(argv)
+
+    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
+                                "python": platform.python_version(), "torch": torch.__version__},
+                    "overhead": overhead()}
+    print(f"verify-round overhead (tiny models, k=4): median {result['overhead']['overhead_ms_median']:.2f} ms "
+          f"(service {result['overhead']['service_round_ms']:.2f} ms/round vs in-process "
+          f"{result['overhead']['in_process_round_ms']:.2f} ms/round)", flush=True)
+    if not a.skip_models:
+        import transformers
+        from transformers import AutoModelForCausalLM
+        from tandem.modeling import load_tokenizer, resolve
+        torch.set_num_threads(a.threads)
+        tok = load_tokenizer(a.target)
+        configs = [("none", 0), ("model", a.k), ("ngram", a.ngram_k)]
+        runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted"]}
+        result["setup"] = {"target": a.target, "draft": a.draft, "k": a.k, "ngram_k": a.ngram_k,
+                           "max_new_tokens": a.max_new_tokens, "threads_per_process": a.threads,
+                           "transformers": transformers.__version__, "prompts": PROMPTS[:a.prompts]}
+        with Stack(a.target, a.draft, threads=a.threads) as stack, grpc.insecure_channel(stack.address("gateway")) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            service_run(stub, tok, "warm up", "model", a.k, 8)
+            service_run(stub, tok, "warm up", "none", 0, 8)
+            for prompt in PROMPTS[:a.prompts]:
+                for method, k in configs:
+                    runs[method].append(service_run(stub, tok, prompt, method, k, a.max_new_tokens))
+                    print(f"  {method:6s} {runs[method][-1]['tok_s']:.2f} tok/s", flush=True)
+        # The service's processes are stopped now, so the in-process runs get the cores to themselves.
+        target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(resolve(a.draft), dtype=torch.float32).eval()
+        hf_run(target, draft, tok, "warm up", 8)
+        for prompt in PROMPTS[:a.prompts]:
+            runs["hf_plain"].append(hf_run(target, None, tok, prompt, a.max_new_tokens))
+            runs["hf_assisted"].append(hf_run(target, draft, tok, prompt, a.max_new_tokens))
+            print(f"  hf     {runs['hf_plain'][-1]['tok_s']:.2f} / assisted {runs['hf_assisted'][-1]['tok_s']:.2f} tok/s",
+                  flush=True)
+        summary = {name: summarize(r) for name, r in runs.items() if r}
+        for name, base in [("none", "none"), ("model", "none"), ("ngram", "none"),
+                           ("hf_plain", "hf_plain"), ("hf_assisted", "hf_plain")]:
+            summary[name]["speedup"] = summary[name]["tok_s_total"] / summary[base]["tok_s_total"]
+        same = [a_["text"] == b_["text"] for a_, b_ in zip(runs["model"], runs["none"])]
+        result["summary"], result["runs"], result["model_output_equals_none"] = summary, runs, same
+        print("\n| run | tokens/s (all prompts) | median (min-max) | speed-up | acceptance | mean accepted length |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, s in summary.items():
+            acc = f"{s['acceptance']:.0%}" if s["acceptance"] is not None else "-"
+            mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] is not None else "-"
+            print(f"| {name} | {s['tok_s_total']:.2f} | {s['tok_s_median']:.2f} ({s['tok_s_min']:.2f}-{s['tok_s_max']:.2f})"
+                  f" | {s['speedup']:.2f}x | {acc} | {mal} |")
+        print(f"\nservice 'model' output identical to 'none': {sum(same)}/{len(same)} prompts")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
