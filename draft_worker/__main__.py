@@ -40,11 +40,12 @@ async def main(args: argparse.Namespace) -> None:
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
     inference = InferenceThread("draft")
-    internal_pb2_grpc.add_DraftServiceServicer_to_server(
-        DraftServicer(drafters, eos_ids, vocab_size, inference), service.server)
+    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference)
+    internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     await service.serve(args.grace_seconds, on_ready=lambda: log.info(
         "draft worker serving %s on %s:%d", sorted(drafters), args.host, port))
+    await servicer.close()
     inference.shutdown()
 
 

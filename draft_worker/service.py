@@ -44,6 +44,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return pb_grpc.VerifyServiceStub(channel)
 
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
     async def Generate(self, request: pb.DraftGenerateRequest, context: grpc.aio.ServicerContext):
         drafter = self.drafters.get(request.method)
         if drafter is None:

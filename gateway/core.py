@@ -163,7 +163,10 @@ class GenerationCore:
                     yield Delta(text, len(chunk.token_ids))
                     break
                 if chunk.stop_reason:
-                    finish = _STOP_TO_FINISH.get(chunk.stop_reason, FINISH_EOS)
+                    finish = _STOP_TO_FINISH.get(chunk.stop_reason)
+                    if finish is None:
+                        raise GatewayError(grpc.StatusCode.INTERNAL,
+                                           f"worker {address} sent unknown stop reason {chunk.stop_reason}")
                     text += stops.feed(detok.flush())
                     if stops.matched is not None:
                         finish = FINISH_STOP
