@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from draft_worker.drafters import Drafter
 from draft_worker.service import plan_k
+from tandem import wire
 from tandem.modeling import CausalLM, SessionCache
 from tandem.sampling import SamplingParams, make_generator, probabilities, sample, suppress_eos
 from verify_worker.engine import STOP_NONE, VerifyEngine
@@ -13,7 +14,6 @@ from verify_worker.engine import STOP_NONE, VerifyEngine
 def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
               k: int) -> tuple[list[int], int, int]:
     """Returns (generated tokens, drafted, accepted)."""
-    import torch
     s = engine.open("local", prompt, params)
     state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
     drafted = accepted = 0
@@ -24,9 +24,8 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
         tokens = draft.tokens if draft else []
         q = None
         if draft is not None and draft.support is not None and not params.greedy:
-            q = torch.zeros(len(tokens), engine.model.vocab_size)
-            for i, (ids, probs) in enumerate(draft.support):
-                q[i, ids] = probs
+            dists = [wire.support_to_proto(ids, probs) for ids, probs in draft.support]
+            q = wire.dense_draft_probs(dists, len(tokens), engine.model.vocab_size)
         v = engine.verify(s, tokens, q)
         drafted += len(tokens)
         accepted += v.accepted

@@ -13,7 +13,7 @@ from gateway.request import Limits
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
 from tandem.config import add_common_flags, add_flag
-from tandem.modeling import load_tokenizer, resolve
+from tandem.modeling import context_length, load_tokenizer, resolve
 from tandem.server import Service, setup_logging
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -36,10 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_core(args: argparse.Namespace) -> GenerationCore:
-    path = resolve(args.model)
-    config = AutoConfig.from_pretrained(path)
-    return GenerationCore(load_tokenizer(args.model), args.model,
-                          int(getattr(config, "max_position_embeddings", 2048)),
+    config = AutoConfig.from_pretrained(resolve(args.model))
+    return GenerationCore(load_tokenizer(args.model), args.model, context_length(config),
                           WorkerPool(args.draft_workers.split(",")), WorkerPool(args.verify_workers.split(",")))
 
 

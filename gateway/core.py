@@ -155,24 +155,19 @@ class GenerationCore:
                 usage.draft_tokens += chunk.draft_tokens
                 usage.accepted_tokens += chunk.accepted_tokens
                 usage.verify_rounds += 1
-                text = stops.feed(detok.add(list(chunk.token_ids)))
-                if stops.matched is not None:
-                    if req.include_stop_sequence:
-                        text += stops.matched
-                    finish = FINISH_STOP
-                    yield Delta(text, len(chunk.token_ids))
-                    break
+                text = detok.add(list(chunk.token_ids))
                 if chunk.stop_reason:
-                    finish = _STOP_TO_FINISH.get(chunk.stop_reason)
-                    if finish is None:
+                    if chunk.stop_reason not in _STOP_TO_FINISH:
                         raise GatewayError(grpc.StatusCode.INTERNAL,
                                            f"worker {address} sent unknown stop reason {chunk.stop_reason}")
-                    text += stops.feed(detok.flush())
-                    if stops.matched is not None:
-                        finish = FINISH_STOP
-                        text += stops.matched if req.include_stop_sequence else ""
-                    else:
-                        text += stops.flush()
+                    text += detok.flush()
+                text = stops.feed(text)
+                if stops.matched is not None:
+                    finish = FINISH_STOP
+                    text += stops.matched if req.include_stop_sequence else ""
+                elif chunk.stop_reason:
+                    finish = _STOP_TO_FINISH[chunk.stop_reason]
+                    text += stops.flush()
                 if text or chunk.token_ids:
                     yield Delta(text, len(chunk.token_ids))
                 if finish:

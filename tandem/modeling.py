@@ -55,7 +55,7 @@ class CausalLM:
         config = self.model.config
         self.name = spec
         self.vocab_size: int = config.vocab_size
-        self.max_context: int = int(getattr(config, "max_position_embeddings", 2048))
+        self.max_context: int = context_length(config)
         self.eos_ids: list[int] = _eos_ids(self.model)
         log.info("loaded %s from %s in %.1fs (vocab %d, context %d, eos %s)", spec, self.path,
                  time.monotonic() - start, self.vocab_size, self.max_context, self.eos_ids)
@@ -67,6 +67,10 @@ class CausalLM:
         out = self.model(input_ids=ids, cache=cache.kv, use_cache=True)
         cache.length += len(token_ids)
         return out.logits[0].float().cpu()
+
+
+def context_length(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 def load_tokenizer(spec: str):

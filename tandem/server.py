@@ -45,7 +45,7 @@ class Service:
 
     def __init__(self, service_names: list[str]) -> None:
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection(
@@ -60,9 +60,7 @@ class Service:
 
     async def _set_all(self, status) -> None:
         for name in ["", *self.service_names]:
-            result = self.health.set(name, status)
-            if asyncio.iscoroutine(result):
-                await result
+            await self.health.set(name, status)
 
     async def serve(self, grace_seconds: float, on_ready: Callable[[], None] | None = None) -> None:
         await self.server.start()

@@ -5,7 +5,6 @@ import pytest
 
 from tandem.client import build_request
 from tandem.launch import Stack
-from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -34,10 +33,10 @@ def worker_status(stack, name):
 
 
 @pytest.mark.parametrize("method,k", [("none", 0), ("model", 1), ("model", 4), ("ngram", 3), ("model", 8)])
-def test_stream_equals_target_greedy(gateway, tiny_pair, method, k):
+def test_stream_equals_target_greedy(gateway, tiny_pair, tiny_models, method, k):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_pair[0])
-    model = CausalLM(str(tiny_pair[0]))
+    model = tiny_models[0]
     for prompt in ["def add(a, b):", "for i in range(10):\n"]:
         ids = tok(prompt).input_ids
         expected = reference(model, ids, SamplingParams(max_new_tokens=32))
