@@ -54,6 +54,8 @@ class Stack:
     gateway_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     gateway_args: list[str] = field(default_factory=list)
+    verify_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -68,9 +70,10 @@ class Stack:
 
     def start(self, timeout: float = 600) -> "Stack":
         try:
-            self._spawn("verify_worker", ["--model", self.target, "--threads", str(self.threads)], free_port())
+            self._spawn("verify_worker", ["--model", self.target, "--threads", str(self.threads),
+                                          *self.verify_args], free_port())
             self._spawn("draft_worker", ["--model", self.draft, "--target-model", self.target,
-                                         "--threads", str(self.threads)], free_port())
+                                         "--threads", str(self.threads), *self.draft_args], free_port())
             for name in ("verify_worker", "draft_worker"):
                 wait_serving(self.address(name), self.procs[name], timeout)
             self._spawn("gateway", ["--model", self.target, "--verify-workers", self.address("verify_worker"),

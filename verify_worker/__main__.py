@@ -19,13 +19,15 @@ log = logging.getLogger("verify_worker")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="verify_worker", description=__doc__)
     add_common_flags(parser, default_port=50052)
-    add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct")
+    add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
-    model = CausalLM(args.model, device=args.device, threads=args.threads)
+    model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+    if args.calibrate:
+        model.calibrate(args.max_proposal + 1)
     engine = VerifyEngine(model, max_proposal=args.max_proposal)
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name])
     inference = InferenceThread("verify")
