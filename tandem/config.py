@@ -34,6 +34,21 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
              help="how long in-flight streams may finish after SIGTERM")
 
 
+def add_redis_flag(parser: argparse.ArgumentParser) -> None:
+    from tandem.redis_conn import DEFAULT_URL, default_url
+    add_flag(parser, "--redis-url", default=default_url(),
+             help=f"Redis for the worker registry and sessions; REDIS_URL also sets it (default {DEFAULT_URL})")
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """How a worker announces itself in the Redis registry."""
+    add_redis_flag(parser)
+    add_flag(parser, "--advertise-address", default="",
+             help="host:port the gateway dials; empty = --host:--port (the machine's name for 0.0.0.0)")
+    add_flag(parser, "--heartbeat-seconds", default=2.0, type=float,
+             help="registry heartbeat interval; the entry expires after three missed beats")
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(parser, "--model", default=default_model,
              help="preset name, Hugging Face folder or .gguf file")
