@@ -34,6 +34,7 @@ class Turn:
     prompt_ids: list[int]          # history + this turn's new tokens
     affinity: str = ""             # verify worker that held the session's KV after the last turn
     record: SessionRecord | None = None
+    locked: bool = False
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     _refreshed: float = field(default_factory=time.monotonic)
 
@@ -43,16 +44,20 @@ class Conversations:
         self.store = store            # None: no Redis (static routing); every request stands alone
         self.redis_url = redis_url
 
-    async def begin(self, session_id: str, new_ids: list[int], continuation_ids: list[int]) -> Turn:
+    async def begin(self, session_id: str, new_ids: list[int], continuation_ids: list[int],
+                    fresh: bool = False) -> Turn:
         """Locks the session and returns the turn to run. new_ids: the prompt as a first turn;
-        continuation_ids: the same input encoded to follow an existing history."""
-        if self.store is None:
-            return Turn(session_id, list(new_ids))
-        turn = Turn(session_id, list(new_ids))
+        continuation_ids: the same input encoded to follow an existing history. fresh: the gateway
+        made the id up just now, so there is nothing to load or lock (its record is still saved, so
+        the client can continue the conversation with the id it gets back)."""
+        turn = Turn(session_id, list(new_ids), record=SessionRecord(session_id))
+        if self.store is None or fresh:
+            return turn
         try:
             if not await self.store.lock(session_id, turn.owner):
                 raise SessionBusy(f"session {session_id} has another request in flight; "
                                   "send its next turn when that one has finished")
+            turn.locked = True
             record = await self.store.get(session_id)
         except (RedisError, OSError) as e:
             raise SessionUnavailable(f"Redis at {self.redis_url} is unreachable, so session "
@@ -65,7 +70,7 @@ class Conversations:
 
     async def keepalive(self, turn: Turn) -> None:
         """Keeps the session's lock while a long stream runs (best effort, at most every few seconds)."""
-        if self.store is None or time.monotonic() - turn._refreshed < self.store.lock_ttl / 3:
+        if not turn.locked or time.monotonic() - turn._refreshed < self.store.lock_ttl / 3:
             return
         turn._refreshed = time.monotonic()
         try:
@@ -87,7 +92,7 @@ class Conversations:
         await self.release(turn)
 
     async def release(self, turn: Turn) -> None:
-        if self.store is None:
+        if self.store is None or not turn.locked:
             return
         try:
             await asyncio.shield(self.store.unlock(turn.session_id, turn.owner))

@@ -123,7 +123,7 @@ class GenerationCore:
         session_id = req.session_id or uuid.uuid4().hex
         try:
             turn = await self.conversations.begin(session_id, req.prompt_ids,
-                                                  req.continuation_ids or req.prompt_ids)
+                                                  req.continuation_ids or req.prompt_ids, fresh=not req.session_id)
         except SessionBusy as e:
             raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except SessionUnavailable as e:
