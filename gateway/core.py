@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_CONTEXT = "length", "eos", "stop_sequence", "context_length"
 _STOP_TO_FINISH = {1: FINISH_LENGTH, 2: FINISH_EOS, 3: FINISH_CONTEXT}
+_ANSWER_MARK = "\x00tandem-answer\x00"
 
 
 class GatewayError(Exception):
@@ -93,12 +94,12 @@ class GenerationCore:
             raise InvalidRequest(f"model {self.model_name} has no chat template; send a plain prompt")
         msgs = [{"role": r, "content": c} for r, c in messages]
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        # A later turn is rendered after a stand-in system turn and cut there: templates that open a
-        # conversation with a default system prompt must not repeat it in the middle of one.
-        probe = [{"role": "system", "content": "-"}]
-        head = self.tokenizer.apply_chat_template(probe, tokenize=False)
+        # A later turn follows the model's last answer: render the messages after a stand-in answer
+        # and keep what comes after it. That closes the answer the way the template does (also one
+        # cut by max_new_tokens) and does not repeat a default system prompt mid-conversation.
+        probe = [{"role": "user", "content": "-"}, {"role": "assistant", "content": _ANSWER_MARK}]
         full = self.tokenizer.apply_chat_template(probe + msgs, tokenize=False, add_generation_prompt=True)
-        later = full[len(head):] if full.startswith(head) else text
+        later = full[full.index(_ANSWER_MARK) + len(_ANSWER_MARK):] if _ANSWER_MARK in full else text
         encode = lambda t: list(self.tokenizer(t, add_special_tokens=False).input_ids)  # noqa: E731
         return encode(text), encode(later)
 
@@ -156,13 +157,12 @@ class _Run:
         self.stops = StopMatcher(req.stop_sequences)
         self.delivered: list[int] = []          # tokens handed to the client so far, in order
         self.finish = ""
-        self.eos = False
         self.route = Route("", None, "none")
 
     def history(self) -> list[int]:
-        """The conversation after this turn. An EOS the model ended on is part of what it said."""
-        eos = [self.core.tokenizer.eos_token_id] if self.eos and self.core.tokenizer.eos_token_id is not None else []
-        return [*self.turn.prompt_ids, *self.delivered, *eos]
+        """The conversation after this turn. Without the EOS it ended on, if any: the verify worker's
+        kept cache stops before it too, and a chat template's next turn closes the answer itself."""
+        return [*self.turn.prompt_ids, *self.delivered]
 
     def final(self) -> Final:
         return Final(self.finish, self.usage, self.turn.session_id, self.stops.matched or "")
@@ -255,7 +255,6 @@ class _Run:
             text += self.stops.matched if self.req.include_stop_sequence else ""
         elif chunk.stop_reason:
             self.finish = _STOP_TO_FINISH[chunk.stop_reason]
-            self.eos = self.finish == FINISH_EOS
             text += self.stops.flush()
         return Delta(text, len(chunk.token_ids)) if text or chunk.token_ids else None
 

@@ -125,3 +125,19 @@ def test_keeper_reuses_evicts_least_recent_and_refuses_what_cannot_fit():
     assert list(keeper.idle) == ["a"]
     keeper.release(4, None, keep=False)
     assert keeper.free() == 100
+
+
+def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(monkeypatch, redis_server):
+    from tandem import redis_conn
+    monkeypatch.setenv("REDIS_URL", redis_server.url)
+    assert redis_conn.ensure_redis() == (redis_server.url, None)
+    monkeypatch.delenv("REDIS_URL")
+    monkeypatch.setattr(redis_conn, "DEFAULT_URL", redis_server.url)          # one answers there
+    assert redis_conn.ensure_redis() == (redis_server.url, None)
+    monkeypatch.setattr(redis_conn, "DEFAULT_URL", f"redis://127.0.0.1:{redis_conn.free_port()}/0")  # silent
+    url, server = redis_conn.ensure_redis()
+    try:
+        assert server is not None and url != redis_server.url and redis_conn.answers(url)
+    finally:
+        server.stop()
+    assert not redis_conn.answers(url)                                        # stopped with its owner

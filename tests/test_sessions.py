@@ -104,3 +104,15 @@ def test_unknown_session_id_starts_a_new_session(gateway):
     assert r.session_id == "fresh-1" and r.usage.cached_prompt_tokens == 0
     r = gateway.Generate(build_request("def f():", max_new_tokens=4), timeout=30)
     assert len(r.session_id) == 32           # generated, and returned so the client can continue it
+
+
+def test_chat_later_turn_closes_the_answer_and_skips_the_default_system_prompt(tiny_pair):
+    from transformers import AutoTokenizer
+    from gateway.core import GenerationCore
+    from gateway.routing import StaticRouter
+    from tandem.testing import CHAT_TEMPLATE
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    tok.chat_template = "{% if messages[0]['role'] != 'system' %}<|system|>be brief\n{% endif %}" + CHAT_TEMPLATE
+    first, later = GenerationCore(tok, "tiny", 512, StaticRouter([], [])).encode_chat([("user", "and now?")])
+    assert tok.decode(first) == "<|system|>be brief\n<|user|>and now?\n<|assistant|>"
+    assert tok.decode(later) == "\n<|user|>and now?\n<|assistant|>"
