@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from tandem.registry import PREFIX
 
-RUNNING, DONE, FAILED = "running", "done", "failed"
+RUNNING, DONE = "running", "done"   # a turn in flight also holds session-lock:{id}
 
 # Deletes the lock only when it is still ours, so a lock that expired and was taken by another
 # request is left alone.
