@@ -1,7 +1,8 @@
 """The Redis connection every service shares, and a private redis-server for local runs and tests.
 
 REDIS_URL (or --redis-url) takes the standard forms: redis://[[user]:password@]host:port/db,
-rediss://... for TLS (server certificate checked against the system CA store), unix:///path.
+rediss://... for TLS (the server certificate is checked against the system CA store, or against
+a private CA with `?ssl_ca_certs=/path/ca.pem`), unix:///path.
 """
 
 from __future__ import annotations

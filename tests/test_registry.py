@@ -82,6 +82,11 @@ async def test_password_url_and_bad_urls():
         await bad.aclose()
     finally:
         server.stop()
+    tls = connect("rediss://u:pw@redis.example:6380/2?ssl_ca_certs=/etc/tandem/ca.pem").connection_pool
+    assert tls.connection_class.__name__ == "SSLConnection"
+    assert {k: tls.connection_kwargs[k] for k in ("host", "port", "db", "username", "password", "ssl_ca_certs")} == \
+        {"host": "redis.example", "port": 6380, "db": 2, "username": "u", "password": "pw",
+         "ssl_ca_certs": "/etc/tandem/ca.pem"}
     assert redacted("redis://:s3cret@h:1/0") == "redis://:***@h:1/0"
     assert check_url("rediss://user:pw@redis.example:6380/0")
     with pytest.raises(ValueError, match="must start with redis://, rediss:// or unix://"):
