@@ -172,7 +172,7 @@ class _Run:
         router = self.core.router
         while True:
             try:
-                self.route = await router.route(self.req.method, self.turn.affinity, failed)
+                self.route = await router.route(self.req.method, self.turn.affinity, failed, self._need())
             except RoutingError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.usage.draft_method = self.route.method
@@ -194,6 +194,10 @@ class _Run:
                             self.turn.session_id, lost.message, len(self.delivered), self.usage.migrations)
             finally:
                 router.inflight.subtract(busy)
+
+    def _need(self) -> int:
+        """KV positions the verify worker reserves for the rest of this request."""
+        return min(len(self.turn.prompt_ids) + self.req.params.max_new_tokens, self.core.max_context)
 
     async def _attempt(self) -> AsyncIterator[Delta]:
         """Streams from one pair of workers, continuing after the tokens already delivered."""

@@ -57,14 +57,16 @@ class Router:
         at = self._failed_at.get(address)
         return at is None or time.monotonic() - at > self.suspect_seconds
 
-    async def route(self, method: str, affinity: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> Route:
-        verify = await self.pick_verify(affinity, set(exclude))
+    async def route(self, method: str, affinity: str = "", exclude: frozenset[str] | set[str] = frozenset(),
+                    need: int = 0) -> Route:
+        """need: KV positions the session will reserve on its verify worker."""
+        verify = await self.pick_verify(affinity, set(exclude), need)
         draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
         if method != "none" and draft is None:
             log.warning("no %s draft worker available; decoding with the target alone", method)
         return Route(verify, draft, method if draft else "none")
 
-    async def pick_verify(self, affinity: str, exclude: set[str]) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
         raise NotImplementedError
 
     async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
@@ -88,7 +90,7 @@ class StaticRouter(Router):
         usable = [a for a in addresses if self._usable(a, exclude)]
         return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
 
-    async def pick_verify(self, affinity: str, exclude: set[str]) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
         if affinity in self.verify and self._usable(affinity, exclude):
             return affinity
         address = self._least_busy(self.verify, exclude)
@@ -122,9 +124,13 @@ class RedisRouter(Router):
         return min(workers, key=lambda w: (w.load + self.inflight[w.address], random.random()),
                    default=None)
 
-    async def pick_verify(self, affinity: str, exclude: set[str]) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
         workers = [w for w in await self._workers(VERIFY) if w.model == self.model]
         usable = [w for w in workers if self._usable(w.address, exclude)]
+        # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
+        # even before the one holding the session's cache; if none has room, the least loaded one
+        # answers for itself (RESOURCE_EXHAUSTED if it is still full).
+        usable = [w for w in usable if not w.capacity or w.kv_free >= need] or usable
         for w in usable:
             if w.address == affinity:
                 return w.address

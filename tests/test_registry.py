@@ -146,3 +146,24 @@ def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(mon
     finally:
         server.stop()
     assert not redis_conn.answers(url)                                        # stopped with its owner
+
+
+async def test_router_prefers_affinity_then_room_then_least_loaded(client):
+    from gateway.routing import RedisRouter, RoutingError
+    reg = Registry(client)
+    router = RedisRouter(reg, "m", "redis://test")
+    for address, load, free in (("x:1", 0, 20), ("y:1", 2, 300), ("z:1", 1, 300)):
+        await reg.register(WorkerInfo(address, VERIFY, "m", capacity=300, load=load, kv_free=free), ttl=5)
+    await reg.register(WorkerInfo("other:1", VERIFY, "another-model"), ttl=5)
+    assert await router.pick_verify("x:1", set(), need=10) == "x:1"            # its cache is there
+    assert await router.pick_verify("x:1", set(), need=100) == "z:1"           # no room there: least loaded
+    assert await router.pick_verify("", {"z:1"}, need=100) == "y:1"
+    assert await router.pick_verify("", set(), need=400) == "x:1"              # room nowhere: least loaded
+    assert await router.pick_verify("other:1", set(), need=1) != "other:1"     # never another model
+    router.failed("x:1")
+    assert await router.pick_verify("x:1", set(), need=10) == "z:1"            # just failed: skipped
+    await reg.register(WorkerInfo("d:1", DRAFT, "", methods=["ngram"]), ttl=5)
+    assert await router.pick_draft("ngram", set()) == "d:1"                    # model-free drafting
+    assert await router.pick_draft("model", set()) is None
+    with pytest.raises(RoutingError, match="no verify worker for model 'none'"):
+        await RedisRouter(reg, "none", "redis://test").pick_verify("", set())
