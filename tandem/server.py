@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DRAIN_NOTICE_S = 0.5
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -83,5 +84,9 @@ class Service:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         if on_stopping:
             await on_stopping()
-        await self.server.stop(grace_seconds)
+        # Once draining starts the server refuses every new RPC, health checks included: a short
+        # notice first lets probes and balancers read NOT_SERVING instead of a refused connection.
+        notice = min(DRAIN_NOTICE_S, grace_seconds)
+        await asyncio.sleep(notice)
+        await self.server.stop(max(0.0, grace_seconds - notice))
         log.info("stopped")

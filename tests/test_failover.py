@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_worker.local import reference
 from tandem.client import build_request
@@ -90,6 +91,22 @@ def test_kill_9_mid_stream_moves_the_session_and_loses_nothing(cluster, expected
         replace_dead(cluster)
 
 
+def health_after_sigterm(address: str):
+    """The first health status other than SERVING, polled right after SIGTERM (None if refused)."""
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                return None
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                return status
+            time.sleep(0.02)
+    return None
+
+
 def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redis_server):
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     seen = {}
@@ -99,6 +116,7 @@ def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redi
         address = cluster.address(name)
         assert r.exists(f"tandem:worker:verify:{address}")
         cluster.kill(name, signal.SIGTERM)
+        seen["health"] = health_after_sigterm(address)
         deadline = time.monotonic() + 2
         while r.exists(f"tandem:worker:verify:{address}") and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -106,6 +124,7 @@ def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redi
 
     try:
         text, final = stream_with(cluster, long_request(), term)
+        assert seen["health"] == health_pb2.HealthCheckResponse.NOT_SERVING
         assert seen["deregistered"]
         assert final.usage.migrations == 0           # drained where it was, not moved
         assert text == expected
