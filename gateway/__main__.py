@@ -14,7 +14,7 @@ from gateway.request import Limits
 from gateway.routing import RedisRouter, StaticRouter
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
-from tandem.config import add_common_flags, add_flag, add_redis_flag
+from tandem.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
 from tandem.modeling import context_length, load_tokenizer, resolve
 from tandem.redis_conn import connect, redacted
 from tandem.registry import Registry
@@ -47,15 +47,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_core(args: argparse.Namespace) -> GenerationCore:
+    if args.max_migrations < 0:
+        raise SystemExit(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if not args.verify_workers:
+        checked_redis_url(args.redis_url)
     config = AutoConfig.from_pretrained(resolve(args.model))
     if args.verify_workers:
         router, conversations = StaticRouter(args.verify_workers.split(","), args.draft_workers.split(",")), None
         log.info("static routing: verify %s, draft %s; Redis is not used", args.verify_workers, args.draft_workers)
     else:
-        try:
-            client = connect(args.redis_url)
-        except ValueError as e:
-            raise SystemExit(f"--redis-url: {e}")
+        client = connect(args.redis_url)
         router = RedisRouter(Registry(client), args.model, args.redis_url)
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))

@@ -40,6 +40,15 @@ def add_redis_flag(parser: argparse.ArgumentParser) -> None:
              help=f"Redis for the worker registry and sessions; REDIS_URL also sets it (default {DEFAULT_URL})")
 
 
+def checked_redis_url(url: str) -> str:
+    """--redis-url, or exit with what is wrong with it (before any model is loaded)."""
+    from tandem.redis_conn import check_url
+    try:
+        return check_url(url)
+    except ValueError as e:
+        raise SystemExit(f"--redis-url / REDIS_URL: {e}") from None
+
+
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """How a worker announces itself in the Redis registry."""
     add_redis_flag(parser)

@@ -78,3 +78,13 @@ def test_no_verify_worker_then_no_draft_worker_then_redis_lost(tiny_pair, tiny_m
                 assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e.details()
                 time.sleep(0.2)
         assert r.text == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("service", ["gateway", "verify_worker"])
+def test_a_bad_redis_url_stops_start_up_with_a_clear_message(service, tiny_pair):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", service, "--model", str(tiny_pair[0]), "--port", "0",
+                           "--redis-url", "http://127.0.0.1:6379"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--redis-url / REDIS_URL: Redis URL 'http://127.0.0.1:6379' must start with redis://" in proc.stderr

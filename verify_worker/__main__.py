@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags
+from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, checked_redis_url
 from tandem.modeling import CausalLM
 from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, Service, setup_logging
@@ -32,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
+    checked_redis_url(args.redis_url)
     model = CausalLM(args.model, device=args.device, threads=args.threads)
     engine = VerifyEngine(model, max_proposal=args.max_proposal)
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name])
