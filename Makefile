@@ -1,11 +1,11 @@
-# Tandem: make setup | protos | run | test | bench
+# Tandem: make setup | protos | run | test | bench | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-slow bench clean
+.PHONY: setup protos run test test-slow bench image deploy-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
+IMAGE ?= tandem
+VARIANT ?= gpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	docker build -f deploy/Dockerfile --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(VERSION)-$(VARIANT) .
+
+# Render, lint and schema-validate the Helm chart and kustomize overlays (no cluster needed).
+deploy-check: setup
+	$(PY) -m pytest -q tests/test_deploy.py
 
 clean:
 	rm -rf tandem/v1 fmaas .pytest_cache

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
-from tandem.config import add_common_flags, add_flag, add_model_flags
+from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, checked_redis_url
 from tandem.modeling import CausalLM, vocab_mismatch
+from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, Service, setup_logging
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
@@ -25,10 +27,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--confidence", default=0.0, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
+    add_worker_flags(parser)
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
+    checked_redis_url(args.redis_url)
     drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
     eos_ids: list[int] = []
     vocab_size = None
@@ -47,8 +51,17 @@ async def main(args: argparse.Namespace) -> None:
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
-    await service.serve(args.grace_seconds, on_ready=lambda: log.info(
-        "draft worker serving %s on %s:%d", sorted(drafters), args.host, port))
+    address, started = advertise_address(args.host, port, args.advertise_address), time.time()
+
+    def describe() -> WorkerInfo:
+        # Registered under the target it drafts for: the gateway never pairs it with another model.
+        return WorkerInfo(address=address, pool=DRAFT, model=args.target_model, methods=sorted(drafters),
+                          load=len(servicer.sessions), started_at=started)
+
+    heartbeat = heartbeat_for(args, describe)
+    await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
+                        on_ready=lambda: log.info("draft worker serving %s on %s:%d", sorted(drafters),
+                                                  args.host, port))
     await servicer.close()
     inference.shutdown()
 

@@ -70,6 +70,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                                     f"target's ({opened.vocab_size})")
             state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
             tokens = list(prompt)
+            cached = opened.cached_tokens        # reported once, on the first chunk
             while True:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
@@ -81,12 +82,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 verdict = (await self._read(call, context)).verdict
                 tokens.extend(verdict.token_ids)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
-                                    accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason)
+                                    accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
+                                    cached_tokens=cached)
+                cached = 0
                 if verdict.stop_reason:
                     break
             await call.done_writing()
         except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}")
+            # Marked, so the gateway moves the session off that verify worker, not off this one.
+            await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}",
+                                trailing_metadata=wire.FAILED_VERIFY)
         finally:
             self.sessions.pop(id(context), None)
             call.cancel()
@@ -102,5 +107,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     async def _read(call, context) -> pb.VerifyResponse:
         msg = await call.read()
         if msg is grpc.aio.EOF:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "verify worker closed the session stream")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verify worker closed the session stream",
+                                trailing_metadata=wire.FAILED_VERIFY)
         return msg

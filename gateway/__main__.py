@@ -8,13 +8,18 @@ import logging
 
 from transformers import AutoConfig
 
-from gateway.core import GenerationCore, WorkerPool
+from gateway.conversation import Conversations
+from gateway.core import GenerationCore
 from gateway.request import Limits
+from gateway.routing import RedisRouter, StaticRouter
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
-from tandem.config import add_common_flags, add_flag
+from tandem.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
 from tandem.modeling import context_length, load_tokenizer, resolve
+from tandem.redis_conn import connect, redacted
+from tandem.registry import Registry
 from tandem.server import Service, setup_logging
+from tandem.sessions import SessionStore
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("gateway")
@@ -25,8 +30,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_flags(parser, default_port=50051)
     add_flag(parser, "--model", default="qwen2.5-coder-1.5b-instruct",
              help="the target model (its tokenizer and context length are used here)")
-    add_flag(parser, "--draft-workers", default="127.0.0.1:50053", help="comma-separated host:port list")
-    add_flag(parser, "--verify-workers", default="127.0.0.1:50052", help="comma-separated host:port list")
+    add_redis_flag(parser)
+    add_flag(parser, "--verify-workers", default="",
+             help="static comma-separated host:port list instead of Redis discovery (no sessions kept)")
+    add_flag(parser, "--draft-workers", default="", help="static draft workers, with --verify-workers")
+    add_flag(parser, "--max-migrations", default=3, type=int,
+             help="times one request may move to another worker after a worker fails")
+    add_flag(parser, "--session-ttl-seconds", default=3600.0, type=float,
+             help="a session's history is kept this long after its last use")
     add_flag(parser, "--default-draft-method", default="model", help="model, ngram or none")
     add_flag(parser, "--default-speculative-tokens", default=4, type=int, help="k when a request leaves it 0")
     add_flag(parser, "--max-speculative-tokens", default=16, type=int, help="largest k a request may ask for")
@@ -36,9 +47,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_core(args: argparse.Namespace) -> GenerationCore:
+    if args.max_migrations < 0:
+        raise SystemExit(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if not args.verify_workers:
+        checked_redis_url(args.redis_url)
     config = AutoConfig.from_pretrained(resolve(args.model))
-    return GenerationCore(load_tokenizer(args.model), args.model, context_length(config),
-                          WorkerPool(args.draft_workers.split(",")), WorkerPool(args.verify_workers.split(",")))
+    if args.verify_workers:
+        router, conversations = StaticRouter(args.verify_workers.split(","), args.draft_workers.split(",")), None
+        log.info("static routing: verify %s, draft %s; Redis is not used", args.verify_workers, args.draft_workers)
+    else:
+        client = connect(args.redis_url)
+        router = RedisRouter(Registry(client), args.model, args.redis_url)
+        conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
+        log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
+    return GenerationCore(load_tokenizer(args.model), args.model, context_length(config), router,
+                          conversations, max_migrations=args.max_migrations)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -55,8 +78,7 @@ async def main(args: argparse.Namespace) -> None:
     port = service.listen(args.host, args.port)
     await service.serve(args.grace_seconds, on_ready=lambda: log.info(
         "gateway serving %s on %s:%d", args.model, args.host, port))
-    await core.drafts.close()
-    await core.verifiers.close()
+    await core.router.close()
 
 
 if __name__ == "__main__":

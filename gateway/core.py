@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import AsyncIterator
 
 import grpc
 
+from gateway.conversation import Conversations, SessionBusy, SessionUnavailable, Turn
 from gateway.request import GenRequest, InvalidRequest
+from gateway.routing import Route, Router, RoutingError
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from tandem import wire
-from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_CONTEXT = "length", "eos", "stop_sequence", "context_length"
 _STOP_TO_FINISH = {1: FINISH_LENGTH, 2: FINISH_EOS, 3: FINISH_CONTEXT}
+_ANSWER_MARK = "\x00tandem-answer\x00"
 
 
 class GatewayError(Exception):
@@ -37,6 +39,8 @@ class Usage:
     accepted_tokens: int = 0
     verify_rounds: int = 0
     draft_method: str = "none"
+    cached_prompt_tokens: int = 0      # prompt tokens whose KV a verify worker kept from an earlier turn
+    migrations: int = 0                # times the request moved after a worker failed
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,36 +66,15 @@ class Final:
     stop_sequence: str = ""
 
 
-class WorkerPool:
-    """Static worker addresses, taken in turn. (Discovery through Redis replaces this.)"""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = [a for a in addresses if a]
-        self._next = itertools.cycle(self.addresses) if self.addresses else None
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def pick(self) -> str | None:
-        return next(self._next) if self._next else None
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return ch
-
-    async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-
-
 class GenerationCore:
-    def __init__(self, tokenizer, model_name: str, max_context: int,
-                 draft_pool: WorkerPool, verify_pool: WorkerPool) -> None:
+    def __init__(self, tokenizer, model_name: str, max_context: int, router: Router,
+                 conversations: Conversations | None = None, max_migrations: int = 3) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
-        self.drafts = draft_pool
-        self.verifiers = verify_pool
+        self.router = router
+        self.conversations = conversations or Conversations(None)
+        self.max_migrations = max_migrations
 
     # ---- input ----
 
@@ -100,7 +83,8 @@ class GenerationCore:
             raise InvalidRequest("prompt must not be empty")
         return list(self.tokenizer(text).input_ids)
 
-    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+        """(ids as a conversation's first turn, ids as a later turn of a session)."""
         if not messages:
             raise InvalidRequest("chat.messages must not be empty")
         for i, (role, _) in enumerate(messages):
@@ -108,8 +92,19 @@ class GenerationCore:
                 raise InvalidRequest(f"chat.messages[{i}].role must be system, user or assistant, got {role!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(f"model {self.model_name} has no chat template; send a plain prompt")
-        text = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                                  tokenize=False, add_generation_prompt=True)
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        # A later turn follows the model's last answer: render the messages after a stand-in answer
+        # and keep what comes after it. That closes the answer the way the template does (also one
+        # cut by max_new_tokens) and does not repeat a default system prompt mid-conversation.
+        probe = [{"role": "user", "content": "-"}, {"role": "assistant", "content": _ANSWER_MARK}]
+        full = self.tokenizer.apply_chat_template(probe + msgs, tokenize=False, add_generation_prompt=True)
+        later = full[full.index(_ANSWER_MARK) + len(_ANSWER_MARK):] if _ANSWER_MARK in full else text
+        encode = lambda t: list(self.tokenizer(t, add_special_tokens=False).input_ids)  # noqa: E731
+        return encode(text), encode(later)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """A plain prompt as a later turn of a session: no BOS or other special tokens in between."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def check_length(self, prompt_ids: list[int]) -> None:
@@ -122,63 +117,166 @@ class GenerationCore:
     # ---- generation ----
 
     async def stream(self, req: GenRequest, timeout: float | None) -> AsyncIterator[Delta | Final]:
-        """Yields text deltas, then one Final."""
+        """Yields text deltas, then one Final. A worker lost mid-stream is replaced: the request is
+        re-issued elsewhere with the tokens already delivered appended to its prompt, so the client
+        sees every token once (and, under greedy decoding, exactly the uninterrupted output)."""
         self.check_length(req.prompt_ids)
         session_id = req.session_id or uuid.uuid4().hex
-        verify = self.verifiers.pick()
-        if verify is None:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no verify worker is configured")
-        method = req.method
-        draft = self.drafts.pick() if method != "none" else None
-        if method != "none" and draft is None:
-            log.warning("no draft worker configured; decoding with the target alone")
-            method = "none"
-        sampling = wire.params_to_proto(req.params)
-        if method == "none":
-            address = verify
-            call = ipb_grpc.VerifyServiceStub(self.verifiers.channel(verify)).Decode(
-                ipb.DecodeRequest(session_id=session_id, prompt_ids=req.prompt_ids, sampling=sampling),
+        try:
+            turn = await self.conversations.begin(session_id, req.prompt_ids,
+                                                  req.continuation_ids or req.prompt_ids, fresh=not req.session_id)
+        except SessionBusy as e:
+            raise GatewayError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except SessionUnavailable as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        finished = False
+        try:
+            if len(turn.prompt_ids) >= self.max_context:
+                raise InvalidRequest(f"session {session_id} would be {len(turn.prompt_ids)} tokens with this turn; "
+                                     f"the model's context is {self.max_context} tokens")
+            run = _Run(self, req, turn, timeout)
+            async for event in run.events():
+                yield event
+            await self.conversations.finish(turn, run.history(), run.route.verify, run.route.draft,
+                                            asdict(req.params))
+            finished = True
+            yield run.final()
+        finally:
+            if not finished:
+                await self.conversations.release(turn)
+
+
+class _Run:
+    """One request's stream across the workers that serve it, migrations included."""
+
+    def __init__(self, core: GenerationCore, req: GenRequest, turn: Turn, timeout: float | None) -> None:
+        self.core, self.req, self.turn = core, req, turn
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.usage = Usage(prompt_tokens=len(turn.prompt_ids), draft_method=req.method)
+        self.detok = IncrementalDetokenizer(core.tokenizer, turn.prompt_ids)
+        self.stops = StopMatcher(req.stop_sequences)
+        self.delivered: list[int] = []          # tokens handed to the client so far, in order
+        self.finish = ""
+        self.route = Route("", None, "none")
+
+    def history(self) -> list[int]:
+        """The conversation after this turn. Without the EOS it ended on, if any: the verify worker's
+        kept cache stops before it too, and a chat template's next turn closes the answer itself."""
+        return [*self.turn.prompt_ids, *self.delivered]
+
+    def final(self) -> Final:
+        return Final(self.finish, self.usage, self.turn.session_id, self.stops.matched or "")
+
+    async def events(self) -> AsyncIterator[Delta]:
+        failed: set[str] = set()
+        router = self.core.router
+        while True:
+            try:
+                self.route = await router.route(self.req.method, self.turn.affinity, failed, self._need())
+            except RoutingError as e:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            self.usage.draft_method = self.route.method
+            busy = [self.route.verify, *([self.route.draft] if self.route.draft else [])]
+            router.inflight.update(busy)
+            try:
+                async for delta in self._attempt():
+                    yield delta
+                return
+            except _WorkerLost as lost:
+                router.failed(lost.address)
+                failed.add(lost.address)
+                if self.usage.migrations >= self.core.max_migrations:
+                    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                       f"{lost.message}; gave up after {self.usage.migrations} migrations "
+                                       f"(the limit per request)") from None
+                self.usage.migrations += 1
+                log.warning("session %s: %s; moving it after %d delivered tokens (migration %d)",
+                            self.turn.session_id, lost.message, len(self.delivered), self.usage.migrations)
+            finally:
+                router.inflight.subtract(busy)
+
+    def _need(self) -> int:
+        """KV positions the verify worker reserves for the rest of this request."""
+        return min(len(self.turn.prompt_ids) + self.req.params.max_new_tokens, self.core.max_context)
+
+    async def _attempt(self) -> AsyncIterator[Delta]:
+        """Streams from one pair of workers, continuing after the tokens already delivered."""
+        route, req = self.route, self.req
+        done = len(self.delivered)
+        params = replace(req.params, max_new_tokens=req.params.max_new_tokens - done,
+                         min_new_tokens=max(0, req.params.min_new_tokens - done))
+        prompt = [*self.turn.prompt_ids, *self.delivered]
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        sampling = wire.params_to_proto(params)
+        channel = self.core.router.channel
+        if route.draft is None:
+            address = route.verify
+            call = ipb_grpc.VerifyServiceStub(channel(route.verify)).Decode(
+                ipb.DecodeRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling),
                 timeout=timeout)
         else:
-            address = draft
-            call = ipb_grpc.DraftServiceStub(self.drafts.channel(draft)).Generate(
-                ipb.DraftGenerateRequest(session_id=session_id, prompt_ids=req.prompt_ids, sampling=sampling,
-                                         method=method, num_speculative_tokens=req.k, verify_address=verify),
+            address = route.draft
+            call = ipb_grpc.DraftServiceStub(channel(route.draft)).Generate(
+                ipb.DraftGenerateRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling,
+                                         method=route.method, num_speculative_tokens=req.k,
+                                         verify_address=route.verify),
                 timeout=timeout)
-        usage = Usage(prompt_tokens=len(req.prompt_ids), draft_method=method)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-        stops = StopMatcher(req.stop_sequences)
-        finish = ""
         try:
             async for chunk in call:
-                usage.generated_tokens += len(chunk.token_ids)
-                usage.draft_tokens += chunk.draft_tokens
-                usage.accepted_tokens += chunk.accepted_tokens
-                usage.verify_rounds += 1
-                text = detok.add(list(chunk.token_ids))
-                if chunk.stop_reason:
-                    if chunk.stop_reason not in _STOP_TO_FINISH:
-                        raise GatewayError(grpc.StatusCode.INTERNAL,
-                                           f"worker {address} sent unknown stop reason {chunk.stop_reason}")
-                    text += detok.flush()
-                text = stops.feed(text)
-                if stops.matched is not None:
-                    finish = FINISH_STOP
-                    text += stops.matched if req.include_stop_sequence else ""
-                elif chunk.stop_reason:
-                    finish = _STOP_TO_FINISH[chunk.stop_reason]
-                    text += stops.flush()
-                if text or chunk.token_ids:
-                    yield Delta(text, len(chunk.token_ids))
-                if finish:
-                    break
+                if not self.delivered:
+                    self.usage.cached_prompt_tokens = chunk.cached_tokens
+                delta = self._take(chunk, address)
+                if delta is not None:
+                    yield delta
+                await self.core.conversations.keepalive(self.turn)
+                if self.finish:
+                    return
         except grpc.aio.AioRpcError as e:
-            raise _downstream_error(e, address) from None
+            lost = _lost_worker(e, route)
+            if lost is None:
+                raise _downstream_error(e, address) from None
+            raise _WorkerLost(lost, f"worker {lost} failed: {e.code().name}: {e.details()}") from None
         finally:
             call.cancel()
-        if not finish:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"worker {address} ended the stream early")
-        yield Final(finish, usage, session_id, stops.matched or "")
+        raise _WorkerLost(address, f"worker {address} ended the stream early")
+
+    def _take(self, chunk: ipb.TokenChunk, address: str) -> Delta | None:
+        u = self.usage
+        u.generated_tokens += len(chunk.token_ids)
+        u.draft_tokens += chunk.draft_tokens
+        u.accepted_tokens += chunk.accepted_tokens
+        u.verify_rounds += 1
+        self.delivered.extend(chunk.token_ids)
+        text = self.detok.add(list(chunk.token_ids))
+        if chunk.stop_reason:
+            if chunk.stop_reason not in _STOP_TO_FINISH:
+                raise GatewayError(grpc.StatusCode.INTERNAL,
+                                   f"worker {address} sent unknown stop reason {chunk.stop_reason}")
+            text += self.detok.flush()
+        text = self.stops.feed(text)
+        if self.stops.matched is not None:
+            self.finish = FINISH_STOP
+            text += self.stops.matched if self.req.include_stop_sequence else ""
+        elif chunk.stop_reason:
+            self.finish = _STOP_TO_FINISH[chunk.stop_reason]
+            text += self.stops.flush()
+        return Delta(text, len(chunk.token_ids)) if text or chunk.token_ids else None
+
+
+class _WorkerLost(Exception):
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(message)
+        self.address, self.message = address, message
+
+
+def _lost_worker(e: grpc.aio.AioRpcError, route: Route) -> str | None:
+    """The worker to move away from after this error, or None when moving would not help."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    if route.draft is None:
+        return route.verify
+    trailers = dict(e.trailing_metadata() or ())
+    return route.verify if trailers.get(wire.FAILED_HOP) == "verify" else route.draft
 
 
 def _downstream_error(e: grpc.aio.AioRpcError, address: str) -> GatewayError:

@@ -37,6 +37,7 @@ class GenRequest:
     method: str = "model"          # model | ngram | none
     k: int = 4                     # speculative tokens per round
     session_id: str = ""
+    continuation_ids: list[int] | None = None   # the input as a later turn of a session (None: prompt_ids)
 
 
 def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: float, seed: int | None,

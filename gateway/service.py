@@ -25,7 +25,8 @@ def usage_proto(final: Final) -> pb.Usage:
     return pb.Usage(prompt_tokens=u.prompt_tokens, generated_tokens=u.generated_tokens,
                     draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
                     verify_rounds=u.verify_rounds, acceptance_rate=u.acceptance_rate,
-                    mean_accepted_length=u.mean_accepted_length, draft_method=u.draft_method)
+                    mean_accepted_length=u.mean_accepted_length, draft_method=u.draft_method,
+                    cached_prompt_tokens=u.cached_prompt_tokens, migrations=u.migrations)
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -36,12 +37,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def to_request(self, m: pb.GenerateRequest) -> GenRequest:
         which = m.WhichOneof("input")
         if which == "chat":
-            ids = self.core.encode_chat([(x.role, x.content) for x in m.chat.messages])
+            ids, later = self.core.encode_chat([(x.role, x.content) for x in m.chat.messages])
         else:
             if len(m.prompt) > self.limits.max_prompt_chars:
                 raise InvalidRequest(f"prompt is {len(m.prompt)} characters; the limit is "
                                      f"{self.limits.max_prompt_chars}")
             ids = self.core.encode_prompt(m.prompt)
+            later = self.core.encode_continuation(m.prompt)
         self.core.check_length(ids)
         s = m.sampling
         params = check_sampling(self.limits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -53,7 +55,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         method, k = check_speculation(self.limits, _METHODS[m.speculation.method],
                                       m.speculation.num_speculative_tokens)
         return GenRequest(prompt_ids=ids, params=params, stop_sequences=list(s.stop_sequences),
-                          method=method, k=k, session_id=check_session_id(m.session_id))
+                          method=method, k=k, session_id=check_session_id(m.session_id),
+                          continuation_ids=later)
 
     async def _events(self, request, context):
         try:

@@ -34,6 +34,30 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
              help="how long in-flight streams may finish after SIGTERM")
 
 
+def add_redis_flag(parser: argparse.ArgumentParser) -> None:
+    from tandem.redis_conn import DEFAULT_URL, default_url
+    add_flag(parser, "--redis-url", default=default_url(),
+             help=f"Redis for the worker registry and sessions; REDIS_URL also sets it (default {DEFAULT_URL})")
+
+
+def checked_redis_url(url: str) -> str:
+    """--redis-url, or exit with what is wrong with it (before any model is loaded)."""
+    from tandem.redis_conn import check_url
+    try:
+        return check_url(url)
+    except ValueError as e:
+        raise SystemExit(f"--redis-url / REDIS_URL: {e}") from None
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """How a worker announces itself in the Redis registry."""
+    add_redis_flag(parser)
+    add_flag(parser, "--advertise-address", default="",
+             help="host:port the gateway dials; empty = --host:--port (the machine's name for 0.0.0.0)")
+    add_flag(parser, "--heartbeat-seconds", default=2.0, type=float,
+             help="registry heartbeat interval; the entry expires after three missed beats")
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default_dtype: str) -> None:
     add_flag(parser, "--model", default=default_model,
              help="preset name, Hugging Face folder or .gguf file")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.config import add_flag
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.redis_conn import RedisServer, ensure_redis, free_port, redacted
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -45,7 +39,9 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
 
 @dataclass
 class Stack:
-    """Three service processes on loopback ports."""
+    """Verify workers, draft workers and a gateway as processes on loopback ports, coordinated
+    through Redis: `redis_url`, or else (see tandem.redis_conn.ensure_redis) REDIS_URL, a server on
+    127.0.0.1:6379, or a private redis-server that stop() also stops."""
 
     target: str
     draft: str                       # a model spec, or "none" for n-gram drafting only
@@ -54,10 +50,15 @@ class Stack:
     gateway_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     gateway_args: list[str] = field(default_factory=list)
+    redis_url: str = ""
+    verify_workers: int = 1
+    draft_workers: int = 1
     verify_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
+    heartbeat_seconds: float = 2.0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    _redis: RedisServer | None = None
 
     def address(self, name: str) -> str:
         return f"{self.host}:{self.ports[name]}"
@@ -65,25 +66,46 @@ class Stack:
     def _spawn(self, name: str, args: list[str], port: int) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.extra_env}
         self.ports[name] = port
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", name, "--host", self.host,
-                                             "--port", str(port), *args], env=env)
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", name.split("-")[0], "--host", self.host,
+                                             "--port", str(port), "--redis-url", self.redis_url, *args], env=env)
+
+    def _name(self, kind: str) -> str:
+        n = 1
+        while (name := kind if n == 1 else f"{kind}-{n}") in self.ports:    # never reuse a name
+            n += 1
+        return name
+
+    def add_worker(self, kind: str, wait: bool = True, timeout: float = 600) -> str:
+        """Starts one more verify_worker or draft_worker; returns its name (verify_worker-2, ...)."""
+        name = self._name(kind)
+        beat = ["--heartbeat-seconds", str(self.heartbeat_seconds)]
+        if kind == "verify_worker":
+            args = ["--model", self.target, "--threads", str(self.threads), *beat, *self.verify_args]
+        else:
+            args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat,
+                    *self.draft_args]
+        self._spawn(name, args, free_port())
+        if wait:
+            wait_serving(self.address(name), self.procs[name], timeout)
+        return name
 
     def start(self, timeout: float = 600) -> "Stack":
         try:
-            self._spawn("verify_worker", ["--model", self.target, "--threads", str(self.threads),
-                                          *self.verify_args], free_port())
-            self._spawn("draft_worker", ["--model", self.draft, "--target-model", self.target,
-                                         "--threads", str(self.threads), *self.draft_args], free_port())
-            for name in ("verify_worker", "draft_worker"):
+            if not self.redis_url:
+                self.redis_url, self._redis = ensure_redis()
+            names = [self.add_worker("verify_worker", wait=False) for _ in range(self.verify_workers)]
+            names += [self.add_worker("draft_worker", wait=False) for _ in range(self.draft_workers)]
+            for name in names:
                 wait_serving(self.address(name), self.procs[name], timeout)
-            self._spawn("gateway", ["--model", self.target, "--verify-workers", self.address("verify_worker"),
-                                    "--draft-workers", self.address("draft_worker"), *self.gateway_args],
-                        self.gateway_port or free_port())
+            self._spawn("gateway", ["--model", self.target, *self.gateway_args], self.gateway_port or free_port())
             wait_serving(self.address("gateway"), self.procs["gateway"], timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
 
     def stop(self, grace: float = 15) -> None:
         for proc in self.procs.values():
@@ -96,6 +118,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
 
     def __enter__(self) -> "Stack":
         return self.start()
@@ -126,8 +151,8 @@ def main(argv=None) -> None:
             print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
     stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port)
     stack.start()
-    print(f"\nTandem is serving on {stack.address('gateway')} "
-          f"(verify {stack.address('verify_worker')}, draft {stack.address('draft_worker')})", flush=True)
+    print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
+          f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})", flush=True)
     try:
         if args.demo:
             from tandem import client

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DRAIN_NOTICE_S = 0.5
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -62,8 +63,15 @@ class Service:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def serve(self, grace_seconds: float, on_ready: Callable[[], None] | None = None) -> None:
+    async def serve(self, grace_seconds: float, on_ready: Callable[[], None] | None = None,
+                    on_started: Callable[[], Awaitable[None]] | None = None,
+                    on_stopping: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serves until SIGTERM/SIGINT, then: health NOT_SERVING, on_stopping (a worker leaves the
+        registry there, so no new session is routed to it), drain in-flight RPCs for grace_seconds.
+        on_started runs once the server listens (a worker joins the registry there)."""
         await self.server.start()
+        if on_started:
+            await on_started()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
         if on_ready:
             on_ready()
@@ -74,5 +82,11 @@ class Service:
         await stop.wait()
         log.info("stopping: health NOT_SERVING, draining for up to %.1fs", grace_seconds)
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace_seconds)
+        if on_stopping:
+            await on_stopping()
+        # Once draining starts the server refuses every new RPC, health checks included: a short
+        # notice first lets probes and balancers read NOT_SERVING instead of a refused connection.
+        notice = min(DRAIN_NOTICE_S, grace_seconds)
+        await asyncio.sleep(notice)
+        await self.server.stop(max(0.0, grace_seconds - notice))
         log.info("stopped")

@@ -8,6 +8,11 @@ import torch
 from tandem.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
+# Trailing metadata a draft worker adds when its verify stream broke: the gateway then blames the
+# verify worker, not the draft worker, for the failure.
+FAILED_HOP = "x-tandem-failed-hop"
+FAILED_VERIFY = ((FAILED_HOP, "verify"),)
+
 
 def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
     return pb.WorkerSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,

@@ -22,3 +22,12 @@ def tiny_models(tiny_pair):
     from tandem.modeling import CausalLM
     target, draft = tiny_pair
     return CausalLM(str(target)), CausalLM(str(draft))
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private redis-server on a free loopback port for one test module: never shared data."""
+    from tandem.redis_conn import RedisServer
+    server = RedisServer().start()
+    yield server
+    server.stop()

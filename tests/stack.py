@@ -18,7 +18,8 @@ import pytest_asyncio
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
 from fmaas import generation_pb2_grpc as fmaas_grpc
-from gateway.core import GenerationCore, WorkerPool
+from gateway.core import GenerationCore
+from gateway.routing import StaticRouter
 from gateway.request import Limits
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
@@ -93,7 +94,7 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
     d_server, d_addr = await _serve(lambda s: internal_grpc.add_DraftServiceServicer_to_server(draft_servicer, s))
     from transformers import AutoTokenizer
     core = GenerationCore(AutoTokenizer.from_pretrained(str(target)), str(target), target_model.max_context,
-                          WorkerPool([d_addr]), WorkerPool([v_addr]))
+                          StaticRouter([v_addr], [d_addr]))
 
     def add_gateway(server: grpc.aio.Server) -> None:
         tandem_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), server)
@@ -109,8 +110,7 @@ async def stop_stack(stack: InProcessStack) -> None:
     await stack.channel.close()
     for server in stack._servers:               # gateway first, so nothing new reaches the workers
         await server.stop(None)
-    await stack.core.drafts.close()
-    await stack.core.verifiers.close()
+    await stack.core.router.close()
     for thread in stack._threads:
         thread.shutdown()
 

@@ -14,9 +14,9 @@ from draft_worker.local import reference
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_pair):
+def stack(tiny_pair, redis_server):
     target, draft = tiny_pair
-    with Stack(str(target), str(draft), threads=1) as s:
+    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url) as s:
         yield s
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
-from tandem.config import add_common_flags, add_flag, add_model_flags
+from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, checked_redis_url
 from tandem.modeling import CausalLM
+from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, Service, setup_logging
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
+from verify_worker.kvstore import SessionKeeper
 from verify_worker.service import VerifyServicer
 
 log = logging.getLogger("verify_worker")
@@ -21,19 +24,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_flags(parser, default_port=50052)
     add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
+    add_flag(parser, "--kv-budget-tokens", default=32768, type=int,
+             help="KV cache positions all sessions may hold together; finished sessions are evicted "
+                  "least recently used first (0 = unbounded)")
+    add_worker_flags(parser)
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
+    checked_redis_url(args.redis_url)
     model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
     if args.calibrate:
         model.calibrate(args.max_proposal + 1)
     engine = VerifyEngine(model, max_proposal=args.max_proposal)
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name])
     inference = InferenceThread("verify")
-    internal_pb2_grpc.add_VerifyServiceServicer_to_server(VerifyServicer(engine, inference), service.server)
+    servicer = VerifyServicer(engine, inference, SessionKeeper(args.kv_budget_tokens))
+    internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
-    await service.serve(args.grace_seconds,
+    address, started = advertise_address(args.host, port, args.advertise_address), time.time()
+
+    def describe() -> WorkerInfo:
+        return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=args.kv_budget_tokens,
+                          load=len(servicer.sessions), kv_free=servicer.keeper.free(), started_at=started)
+
+    heartbeat = heartbeat_for(args, describe)
+    await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
                         on_ready=lambda: log.info("verify worker serving %s on %s:%d", args.model, args.host, port))
     inference.shutdown()
 

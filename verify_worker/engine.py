@@ -16,6 +16,15 @@ from tandem.verification import verify_greedy, verify_sampled
 STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class ProtocolError(ValueError):
     """A request that breaks the session protocol; the session is left untouched."""
 
@@ -47,9 +56,11 @@ class VerifyEngine:
         self.model = model
         self.max_proposal = max_proposal
 
-    def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> TargetSession:
+    def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+             reuse: TargetSession | None = None) -> TargetSession:
         """Prefills all prompt tokens but the last; that one is fed with the first proposal, whose
-        distribution it predicts."""
+        distribution it predicts. `reuse`, an earlier turn of the same session, lends its cache:
+        only the positions after the prefix it shares with prompt_ids are computed."""
         self._check_ids(prompt_ids, "prompt token")
         if not prompt_ids:
             raise ProtocolError("prompt_ids must not be empty")
@@ -58,8 +69,11 @@ class VerifyEngine:
                                 f"{self.model.max_context}")
         s = TargetSession(session_id, params, len(prompt_ids), list(prompt_ids),
                           generator=make_generator(params.seed, stream=0))
-        if len(prompt_ids) > 1:
-            self.model.forward(prompt_ids[:-1], s.cache)
+        if reuse is not None:
+            reuse.cache.crop(min(common_prefix(reuse.tokens, prompt_ids), len(prompt_ids) - 1))
+            s.cache = reuse.cache
+        if len(prompt_ids) - 1 > s.cache.length:
+            self.model.forward(prompt_ids[s.cache.length:-1], s.cache)
         return s
 
     def verify(self, s: TargetSession, proposed: list[int],

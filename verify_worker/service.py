@@ -10,16 +10,40 @@ from tandem import wire
 from tandem.server import InferenceThread
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
-from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine
+from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine, common_prefix
+from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 
 log = logging.getLogger(__name__)
 
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
-    def __init__(self, engine: VerifyEngine, inference: InferenceThread) -> None:
+    def __init__(self, engine: VerifyEngine, inference: InferenceThread,
+                 keeper: SessionKeeper | None = None) -> None:
         self.engine = engine
         self.inference = inference
+        self.keeper = keeper or SessionKeeper(0)
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
+
+    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
+        """Admits the session into the KV budget and prefills it; returns it with the number of prompt
+        tokens whose KV came from its kept earlier turn."""
+        params = wire.params_from_proto(sampling)
+        need = min(len(prompt_ids) + params.max_new_tokens, self.engine.model.max_context)
+        try:
+            reuse = self.keeper.admit(id(context), session_id, need)
+        except KVBudgetExceeded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        cached = 0
+        if reuse is not None:
+            cached = min(common_prefix(reuse.tokens, prompt_ids), reuse.cache.length, len(prompt_ids) - 1)
+        session = await self._call(context, self.engine.open, session_id, prompt_ids, params, reuse)
+        self.sessions[id(context)] = session
+        return session, cached
+
+    def _close(self, context) -> None:
+        session = self.sessions.pop(id(context), None)
+        # Only a session that finished is consistent to continue from; a broken one is dropped.
+        self.keeper.release(id(context), session, keep=session is not None and session.stop_reason != STOP_NONE)
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         session = None
@@ -30,11 +54,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if session is not None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "session already open on this stream")
-                    session = await self._call(context, self.engine.open, req.open.session_id,
-                                               list(req.open.prompt_ids), wire.params_from_proto(req.open.sampling))
-                    self.sessions[id(context)] = session
+                    session, cached = await self._open(context, req.open.session_id,
+                                                       list(req.open.prompt_ids), req.open.sampling)
                     yield pb.VerifyResponse(opened=pb.Opened(
-                        cached_tokens=session.cache.length, vocab_size=self.engine.model.vocab_size,
+                        cached_tokens=cached, vocab_size=self.engine.model.vocab_size,
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context))
                 elif kind == "proposal":
                     if session is None:
@@ -56,24 +79,28 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty VerifyRequest")
         finally:
-            self.sessions.pop(id(context), None)
+            self._close(context)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
-            session = await self._call(context, self.engine.open, request.session_id,
-                                       list(request.prompt_ids), wire.params_from_proto(request.sampling))
-            self.sessions[id(context)] = session
+            session, cached = await self._open(context, request.session_id, list(request.prompt_ids),
+                                               request.sampling)
+            first = True
             while True:
                 verdict = await self._call(context, self.engine.decode, session)
-                yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason)
+                yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
+                                    cached_tokens=cached if first else 0)
+                first = False
                 if verdict.stop_reason != STOP_NONE:
                     return
         finally:
-            self.sessions.pop(id(context), None)
+            self._close(context)
 
     async def Status(self, request, context) -> pb.WorkerStatus:
+        idle = self.keeper.idle.values()
         return pb.WorkerStatus(model=self.engine.model.name, live_sessions=len(self.sessions),
-                               kv_bytes=sum(s.cache.nbytes() for s in self.sessions.values()))
+                               kv_bytes=sum(s.cache.nbytes() for s in self.sessions.values()),
+                               idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle))
 
     async def _call(self, context, fn, *args):
         try:

@@ -1,0 +1,149 @@
+"""Which workers serve a request: discovered from the Redis registry (or a static list, the fallback
+for running without Redis), least-loaded first, the session's own verify worker before any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+from redis.exceptions import RedisError
+
+from tandem.redis_conn import redacted
+from tandem.registry import DRAFT, VERIFY, Registry, WorkerInfo
+from tandem.server import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class RoutingError(Exception):
+    """No worker can take the request now (UNAVAILABLE); the message says why."""
+
+
+@dataclass(frozen=True)
+class Route:
+    verify: str
+    draft: str | None          # None: the verify worker decodes alone
+    method: str                # what runs: "model", "ngram" or "none"
+
+
+class Router:
+    """Shared by both kinds of directory: channels, in-flight counts and recently failed workers."""
+
+    def __init__(self, suspect_seconds: float = 10.0) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.inflight: Counter[str] = Counter()      # this gateway's streams per worker
+        # A worker that just failed is skipped for a while: its registry entry outlives it until the
+        # heartbeat key expires, and a request must not be sent to it again in the meantime.
+        self._failed_at: dict[str, float] = {}
+        self.suspect_seconds = suspect_seconds
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return ch
+
+    def failed(self, address: str) -> None:
+        self._failed_at[address] = time.monotonic()
+
+    def _usable(self, address: str, exclude: set[str]) -> bool:
+        if address in exclude:
+            return False
+        at = self._failed_at.get(address)
+        return at is None or time.monotonic() - at > self.suspect_seconds
+
+    async def route(self, method: str, affinity: str = "", exclude: frozenset[str] | set[str] = frozenset(),
+                    need: int = 0) -> Route:
+        """need: KV positions the session will reserve on its verify worker."""
+        verify = await self.pick_verify(affinity, set(exclude), need)
+        draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
+        if method != "none" and draft is None:
+            log.warning("no %s draft worker available; decoding with the target alone", method)
+        return Route(verify, draft, method if draft else "none")
+
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+        raise NotImplementedError
+
+    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+class StaticRouter(Router):
+    """Fixed address lists (--verify-workers / --draft-workers), taken least-busy first."""
+
+    def __init__(self, verify: list[str], draft: list[str]) -> None:
+        super().__init__()
+        self.verify = [a for a in verify if a]
+        self.draft = [a for a in draft if a]
+
+    def _least_busy(self, addresses: list[str], exclude: set[str]) -> str | None:
+        usable = [a for a in addresses if self._usable(a, exclude)]
+        return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
+
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+        if affinity in self.verify and self._usable(affinity, exclude):
+            return affinity
+        address = self._least_busy(self.verify, exclude)
+        if address is None:
+            raise RoutingError("no verify worker is configured" if not self.verify
+                               else "every configured verify worker has failed")
+        return address
+
+    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+        return self._least_busy(self.draft, exclude)
+
+
+class RedisRouter(Router):
+    """Workers discovered in the Redis registry, only those serving this gateway's model."""
+
+    def __init__(self, registry: Registry, model: str, redis_url: str, suspect_seconds: float = 10.0) -> None:
+        super().__init__(suspect_seconds)
+        self.registry = registry
+        self.model = model
+        self.redis_url = redacted(redis_url)
+
+    async def _workers(self, pool: str) -> list[WorkerInfo]:
+        try:
+            return await self.registry.workers(pool)
+        except (RedisError, OSError) as e:
+            raise RoutingError(f"Redis at {self.redis_url} is unreachable, so no worker can be "
+                               f"discovered; retry shortly ({e})") from None
+
+    def _least_loaded(self, workers: list[WorkerInfo]) -> WorkerInfo | None:
+        # Registered load lags by up to a heartbeat; this gateway's own in-flight count does not.
+        return min(workers, key=lambda w: (w.load + self.inflight[w.address], random.random()),
+                   default=None)
+
+    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+        workers = [w for w in await self._workers(VERIFY) if w.model == self.model]
+        usable = [w for w in workers if self._usable(w.address, exclude)]
+        # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
+        # even before the one holding the session's cache; if none has room, the least loaded one
+        # answers for itself (RESOURCE_EXHAUSTED if it is still full).
+        usable = [w for w in usable if not w.capacity or w.kv_free >= need] or usable
+        for w in usable:
+            if w.address == affinity:
+                return w.address
+        best = self._least_loaded(usable)
+        if best is None:
+            raise RoutingError(f"no verify worker for model {self.model!r} is registered in Redis"
+                               if not workers else
+                               f"every verify worker for model {self.model!r} has failed for this request")
+        return best.address
+
+    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+        # A draft worker registered without a target model can only offer model-free n-gram drafting.
+        workers = [w for w in await self._workers(DRAFT) if method in w.methods
+                   and (w.model == self.model or (method == "ngram" and not w.model))]
+        best = self._least_loaded([w for w in workers if self._usable(w.address, exclude)])
+        return best.address if best else None

@@ -1,0 +1,134 @@
+"""Failover with real processes and a real (private) Redis: workers killed mid-stream, none at all,
+drained by SIGTERM, Redis itself lost. Greedy output must equal an uninterrupted run, token for token."""
+
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_worker.local import reference
+from tandem.client import build_request
+from tandem.launch import Stack
+from tandem.sampling import SamplingParams
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.v1 import internal_pb2 as ipb
+from tandem.v1 import internal_pb2_grpc as ipb_grpc
+
+PROMPT = "def add(a, b):"
+N = 400          # long enough that a kill lands mid-stream; forced (min = max) so no EOS ends it early
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair, tiny_models):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    ids = tok(PROMPT).input_ids
+    tokens = reference(tiny_models[0], ids, SamplingParams(max_new_tokens=N, min_new_tokens=N))
+    return tok.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_pair, redis_server):
+    target, draft = tiny_pair
+    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, verify_workers=2, draft_workers=2,
+               heartbeat_seconds=0.5, gateway_args=["--max-migrations", "2"]) as s:
+        yield s
+
+
+def long_request(method="model", k=1):
+    req = build_request(PROMPT, max_new_tokens=N, method=method, k=k)
+    req.sampling.min_new_tokens = N
+    return req
+
+
+def holder(stack: Stack, kind: str) -> str:
+    """The live worker of a kind that holds a session now."""
+    stub_cls = ipb_grpc.VerifyServiceStub if kind == "verify_worker" else ipb_grpc.DraftServiceStub
+    for name, proc in stack.procs.items():
+        if name.split("-")[0] == kind and proc.poll() is None:
+            with grpc.insecure_channel(stack.address(name)) as ch:
+                if stub_cls(ch).Status(ipb.StatusRequest(), timeout=5).live_sessions:
+                    return name
+    raise AssertionError(f"no {kind} holds a session")
+
+
+def replace_dead(stack: Stack) -> None:
+    for name, proc in list(stack.procs.items()):
+        if proc.poll() is not None:
+            del stack.procs[name]
+            stack.add_worker(name.split("-")[0])
+
+
+def stream_with(stack: Stack, req, during) -> tuple[str, object]:
+    """Streams req; calls during() after the first message; returns (text, final message)."""
+    with grpc.insecure_channel(stack.address("gateway")) as ch:
+        call = pb_grpc.GenerationServiceStub(ch).GenerateStream(req, timeout=120)
+        first = next(call)
+        during()
+        msgs = [first, *call]
+    return "".join(m.text for m in msgs), msgs[-1]
+
+
+@pytest.mark.parametrize("kind", ["verify_worker", "draft_worker"])
+def test_kill_9_mid_stream_moves_the_session_and_loses_nothing(cluster, expected, kind):
+    victim = []
+
+    def kill():
+        victim.append(holder(cluster, kind))
+        cluster.kill(victim[0], signal.SIGKILL)
+
+    try:
+        text, final = stream_with(cluster, long_request(), kill)
+        assert cluster.procs[victim[0]].wait(10) == -signal.SIGKILL
+        assert final.usage.migrations == 1
+        assert final.usage.generated_tokens == N
+        assert text == expected                      # nothing missing, nothing repeated
+        assert final.usage.draft_method == "model"   # the other draft worker took over, or kept going
+    finally:
+        replace_dead(cluster)
+
+
+def health_after_sigterm(address: str):
+    """The first health status other than SERVING, polled right after SIGTERM (None if refused)."""
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                return None
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                return status
+            time.sleep(0.02)
+    return None
+
+
+def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    seen = {}
+
+    def term():
+        name = seen["name"] = holder(cluster, "verify_worker")
+        address = cluster.address(name)
+        assert r.exists(f"tandem:worker:verify:{address}")
+        cluster.kill(name, signal.SIGTERM)
+        seen["health"] = health_after_sigterm(address)
+        deadline = time.monotonic() + 2
+        while r.exists(f"tandem:worker:verify:{address}") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen["deregistered"] = not r.exists(f"tandem:worker:verify:{address}")
+
+    try:
+        text, final = stream_with(cluster, long_request(), term)
+        assert seen["health"] == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert seen["deregistered"]
+        assert final.usage.migrations == 0           # drained where it was, not moved
+        assert text == expected
+        assert cluster.procs[seen["name"]].wait(15) == 0
+    finally:
+        r.close()
+        replace_dead(cluster)

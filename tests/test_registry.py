@@ -1,0 +1,169 @@
+"""The Redis registry and session store against a real, private redis-server; the KV keeper alone."""
+
+import asyncio
+
+import pytest
+from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
+
+from tandem.redis_conn import RedisServer, check_url, connect, redacted
+from tandem.registry import DRAFT, VERIFY, Heartbeat, Registry, WorkerInfo
+from tandem.sampling import SamplingParams
+from tandem.sessions import SessionRecord, SessionStore
+from verify_worker.engine import TargetSession
+from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
+
+
+@pytest.fixture
+async def client(redis_server):
+    c = connect(redis_server.url)
+    await c.flushdb()
+    yield c
+    await c.aclose()
+
+
+async def test_register_list_and_deregister(client):
+    reg = Registry(client)
+    await reg.register(WorkerInfo("h:1", VERIFY, "m", load=2), ttl=5)
+    await reg.register(WorkerInfo("h:2", VERIFY, "m"), ttl=5)
+    await reg.register(WorkerInfo("h:3", DRAFT, "m", methods=["ngram"]), ttl=5)
+    assert sorted(w.address for w in await reg.workers(VERIFY)) == ["h:1", "h:2"]
+    assert [w.methods for w in await reg.workers(DRAFT)] == [["ngram"]]
+    assert {w.address: w.load for w in await reg.workers(VERIFY)}["h:1"] == 2
+    await reg.deregister(VERIFY, "h:1")
+    assert [w.address for w in await reg.workers(VERIFY)] == ["h:2"]
+
+
+async def test_a_worker_that_stops_beating_expires(client):
+    reg = Registry(client)
+    beat = Heartbeat(reg, lambda: WorkerInfo("h:9", VERIFY, "m"), interval=0.1)
+    await beat.start()
+    assert 0 < await client.pttl("tandem:worker:verify:h:9") <= 300      # TTL = three intervals
+    await asyncio.sleep(0.35)
+    assert [w.address for w in await reg.workers(VERIFY)] == ["h:9"]   # renewed past the first TTL
+    beat._task.cancel()                                                 # dies without deregistering
+    await asyncio.sleep(0.4)
+    assert await reg.workers(VERIFY) == []
+    assert await client.smembers("tandem:workers:verify") == set()      # the index is pruned too
+
+
+async def test_clean_stop_deregisters_at_once(client):
+    reg = Registry(client)
+    beat = Heartbeat(reg, lambda: WorkerInfo("h:8", DRAFT, "m"), interval=10)
+    await beat.start()
+    assert len(await reg.workers(DRAFT)) == 1
+    await beat.stop()
+    assert await reg.workers(DRAFT) == []
+
+
+async def test_session_record_round_trip_ttl_and_lock(client):
+    store = SessionStore(client, ttl=60, lock_ttl=5)
+    assert await store.get("s1") is None
+    await store.save(SessionRecord("s1", tokens=[1, 2, 3], verify="h:1", turns=1))
+    await client.pexpire("tandem:session:s1", 1000)
+    rec = await store.get("s1")                                         # use refreshes the TTL
+    assert (rec.tokens, rec.verify, rec.turns) == ([1, 2, 3], "h:1", 1)
+    assert await client.pttl("tandem:session:s1") > 50_000
+    assert await store.lock("s1", "a") and not await store.lock("s1", "b")
+    await store.unlock("s1", "b")                                       # not b's lock: kept
+    assert not await store.lock("s1", "c")
+    await store.unlock("s1", "a")
+    assert await store.lock("s1", "c")
+
+
+async def test_password_url_and_bad_urls():
+    server = RedisServer(password="s3cret").start()
+    try:
+        good = connect(server.url)
+        assert await good.ping()
+        await good.aclose()
+        bad = connect(server.url.replace("s3cret", "wrong"))
+        with pytest.raises(AuthenticationError):
+            await bad.ping()
+        await bad.aclose()
+    finally:
+        server.stop()
+    tls = connect("rediss://u:pw@redis.example:6380/2?ssl_ca_certs=/etc/tandem/ca.pem").connection_pool
+    assert tls.connection_class.__name__ == "SSLConnection"
+    assert {k: tls.connection_kwargs[k] for k in ("host", "port", "db", "username", "password", "ssl_ca_certs")} == \
+        {"host": "redis.example", "port": 6380, "db": 2, "username": "u", "password": "pw",
+         "ssl_ca_certs": "/etc/tandem/ca.pem"}
+    assert redacted("redis://:s3cret@h:1/0") == "redis://:***@h:1/0"
+    assert check_url("rediss://user:pw@redis.example:6380/0")
+    with pytest.raises(ValueError, match="must start with redis://, rediss:// or unix://"):
+        check_url("http://h:1")
+    with pytest.raises(ValueError, match="has no host"):
+        check_url("redis://")
+
+
+async def test_unreachable_redis_fails_fast():
+    c = connect("redis://127.0.0.1:1/0")
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(RedisConnectionError):
+        await c.ping()
+    assert loop.time() - start < 3
+    await c.aclose()
+
+
+def _finished(session_id: str, n: int) -> TargetSession:
+    s = TargetSession(session_id, SamplingParams(), 1, list(range(n)))
+    s.cache.length = n - 1
+    return s
+
+
+def test_keeper_reuses_evicts_least_recent_and_refuses_what_cannot_fit():
+    keeper = SessionKeeper(budget_tokens=100)
+    assert keeper.admit(1, "a", 30) is None
+    keeper.release(1, _finished("a", 31), keep=True)
+    keeper.admit(2, "b", 30)
+    keeper.release(2, _finished("b", 31), keep=True)
+    assert list(keeper.idle) == ["a", "b"] and keeper.used() == 60
+    reused = keeper.admit(3, "a", 40)                 # a's next turn takes its cache back
+    assert reused is not None and reused.session_id == "a" and list(keeper.idle) == ["b"]
+    keeper.release(3, _finished("a", 41), keep=True)   # a is now the most recent
+    keeper.admit(4, "c", 50)                           # 40 + 30 idle + 50 > 100: b (oldest) goes
+    assert list(keeper.idle) == ["a"] and keeper.evictions == 1
+    with pytest.raises(KVBudgetExceeded, match="needs 101 tokens"):
+        keeper.admit(5, "d", 101)
+    with pytest.raises(KVBudgetExceeded, match="live sessions hold 50"):
+        keeper.admit(6, "a", 60)                       # live c holds 50; a stays kept
+    assert list(keeper.idle) == ["a"]
+    keeper.release(4, None, keep=False)
+    assert keeper.free() == 100
+
+
+def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(monkeypatch, redis_server):
+    from tandem import redis_conn
+    monkeypatch.setenv("REDIS_URL", redis_server.url)
+    assert redis_conn.ensure_redis() == (redis_server.url, None)
+    monkeypatch.delenv("REDIS_URL")
+    monkeypatch.setattr(redis_conn, "DEFAULT_URL", redis_server.url)          # one answers there
+    assert redis_conn.ensure_redis() == (redis_server.url, None)
+    monkeypatch.setattr(redis_conn, "DEFAULT_URL", f"redis://127.0.0.1:{redis_conn.free_port()}/0")  # silent
+    url, server = redis_conn.ensure_redis()
+    try:
+        assert server is not None and url != redis_server.url and redis_conn.answers(url)
+    finally:
+        server.stop()
+    assert not redis_conn.answers(url)                                        # stopped with its owner
+
+
+async def test_router_prefers_affinity_then_room_then_least_loaded(client):
+    from gateway.routing import RedisRouter, RoutingError
+    reg = Registry(client)
+    router = RedisRouter(reg, "m", "redis://test")
+    for address, load, free in (("x:1", 0, 20), ("y:1", 2, 300), ("z:1", 1, 300)):
+        await reg.register(WorkerInfo(address, VERIFY, "m", capacity=300, load=load, kv_free=free), ttl=5)
+    await reg.register(WorkerInfo("other:1", VERIFY, "another-model"), ttl=5)
+    assert await router.pick_verify("x:1", set(), need=10) == "x:1"            # its cache is there
+    assert await router.pick_verify("x:1", set(), need=100) == "z:1"           # no room there: least loaded
+    assert await router.pick_verify("", {"z:1"}, need=100) == "y:1"
+    assert await router.pick_verify("", set(), need=400) == "x:1"              # room nowhere: least loaded
+    assert await router.pick_verify("other:1", set(), need=1) != "other:1"     # never another model
+    router.failed("x:1")
+    assert await router.pick_verify("x:1", set(), need=10) == "z:1"            # just failed: skipped
+    await reg.register(WorkerInfo("d:1", DRAFT, "", methods=["ngram"]), ttl=5)
+    assert await router.pick_draft("ngram", set()) == "d:1"                    # model-free drafting
+    assert await router.pick_draft("model", set()) is None
+    with pytest.raises(RoutingError, match="no verify worker for model 'none'"):
+        await RedisRouter(reg, "none", "redis://test").pick_verify("", set())

@@ -1,0 +1,58 @@
+"""The verify worker's KV budget, in tokens, and the finished sessions kept for their next turn.
+
+A live session reserves prompt + max_new_tokens positions (capped at the context window) up front,
+so it can never run out mid-stream. A finished session stays idle with its cache, keyed by session
+id, until its next turn takes it back or the space is needed: then the least recently used idle
+session is evicted (its next turn is rebuilt from the token history the gateway keeps in Redis).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from verify_worker.engine import TargetSession
+
+
+class KVBudgetExceeded(Exception):
+    """A request that does not fit in the KV budget (RESOURCE_EXHAUSTED)."""
+
+
+class SessionKeeper:
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget = budget_tokens           # 0 = unbounded
+        self.live: dict[int, int] = {}        # reserved tokens by stream
+        self.idle: OrderedDict[str, TargetSession] = OrderedDict()   # least recently used first
+        self.evictions = 0
+
+    def used(self) -> int:
+        return sum(self.live.values()) + self._idle_tokens()
+
+    def free(self) -> int:
+        return max(0, self.budget - sum(self.live.values())) if self.budget else 0
+
+    def admit(self, stream: int, session_id: str, need: int) -> TargetSession | None:
+        """Reserves `need` tokens for a stream; returns the idle earlier turn of session_id, if kept,
+        for its cache to be reused. Raises KVBudgetExceeded."""
+        if self.budget and need > self.budget:
+            raise KVBudgetExceeded(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens); "
+                                   f"this worker's budget is {self.budget}")
+        reserved = sum(self.live.values())
+        if self.budget and reserved + need > self.budget:     # checked first: evict nothing in vain
+            raise KVBudgetExceeded(f"KV budget full: {len(self.live)} live sessions hold {reserved} of "
+                                   f"{self.budget} tokens; the request needs {need}")
+        reuse = self.idle.pop(session_id, None) if session_id else None
+        while self.budget and self.idle and reserved + need + self._idle_tokens() > self.budget:
+            self.idle.popitem(last=False)
+            self.evictions += 1
+        self.live[stream] = need
+        return reuse
+
+    def release(self, stream: int, session: TargetSession | None, keep: bool) -> None:
+        """Ends a stream's reservation; a finished session is kept idle for its next turn."""
+        self.live.pop(stream, None)
+        if keep and session is not None and session.session_id:
+            self.idle.pop(session.session_id, None)
+            self.idle[session.session_id] = session
+
+    def _idle_tokens(self) -> int:
+        return sum(s.cache.length for s in self.idle.values())
