@@ -43,7 +43,7 @@ async def main(args: argparse.Namespace) -> None:
                 raise SystemExit(f"refusing to start: {problem}")
         model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
         if args.calibrate:
-            model.calibrate(4)     # a round feeds 1 or 2 tokens; prompts are long enough not to matter
+            model.calibrate(4, last=1)     # a round feeds 1 or 2 tokens; prompts are long enough not to matter
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])

@@ -73,7 +73,7 @@ class _ModelDraftState:
         tokens: list[int] = []
         support = [] if not self.params.greedy else None
         for i in range(k):
-            logits = self.model.forward(feed, self.cache)[-1:]          # [1, V]
+            logits = self.model.forward(feed, self.cache, last=1)     # [1, V]
             self.cached.extend(feed)
             generated = len(context) - self.prompt_len + i
             logits = suppress_eos(logits, self.eos_ids, generated, self.params.min_new_tokens)

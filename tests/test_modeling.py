@@ -14,12 +14,20 @@ def test_padded_forward_keeps_logits_and_cache(tiny_pair):
     plain, padded = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]))
     padded.padded_length = {1: 4, 2: 8, 3: 4}
     a, b = SessionCache(), SessionCache()
+    full = []
     for feed in ([5, 6, 7], [8], [9, 10], [11]):
         la, lb = plain.forward(feed, a), padded.forward(feed, b)
+        full.append(la)
         assert lb.shape == la.shape == (len(feed), plain.vocab_size)
         assert torch.allclose(la, lb, atol=1e-4), feed
         assert b.length == a.length
         assert b.kv.get_seq_length() == a.kv.get_seq_length() == a.length
+    c = SessionCache()
+    for i, feed in enumerate(([5, 6, 7], [8], [9, 10])):      # only the last row, padded or not
+        tail = padded.forward(feed, c, last=1)
+        assert tail.shape == (1, plain.vocab_size)
+        assert torch.allclose(tail, full[i][-1:], atol=1e-4)
+    assert c.length == a.length - 1
 
 
 def test_calibrate_only_pads_to_longer_lengths(tiny_pair):
