@@ -9,7 +9,7 @@ import time
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
-from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, checked_redis_url
+from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM, vocab_mismatch
 from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, Service, setup_logging
@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
-    checked_redis_url(args.redis_url)
+    check_worker_flags(args)
     drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
     eos_ids: list[int] = []
     vocab_size = None

@@ -7,6 +7,7 @@ rolls its own cache back on the next propose, from the context it is given.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -91,6 +92,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         except grpc.aio.AioRpcError as e:
             # Marked, so the gateway moves the session off that verify worker, not off this one.
             await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}",
+                                trailing_metadata=wire.FAILED_VERIFY)
+        except asyncio.InvalidStateError:
+            # The verify stream ended (its worker died or stopped) while a proposal was being written.
+            code = await call.code()
+            await context.abort(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+                                f"verify worker {request.verify_address}: {await call.details()}",
                                 trailing_metadata=wire.FAILED_VERIFY)
         finally:
             self.sessions.pop(id(context), None)

@@ -269,9 +269,17 @@ class _WorkerLost(Exception):
         self.address, self.message = address, message
 
 
+# How a stream ends when its worker died or stopped under it: UNAVAILABLE (connection lost),
+# INTERNAL or CANCELLED (the server cut the RPC at the end of its drain), UNKNOWN (an unexpected
+# error). A worker's deliberate answers (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) and the
+# request's own DEADLINE_EXCEEDED would be the same anywhere, so they are not retried.
+_WORKER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED,
+                          grpc.StatusCode.UNKNOWN})
+
+
 def _lost_worker(e: grpc.aio.AioRpcError, route: Route) -> str | None:
     """The worker to move away from after this error, or None when moving would not help."""
-    if e.code() != grpc.StatusCode.UNAVAILABLE:
+    if e.code() not in _WORKER_LOST:
         return None
     if route.draft is None:
         return route.verify

@@ -49,6 +49,13 @@ def checked_redis_url(url: str) -> str:
         raise SystemExit(f"--redis-url / REDIS_URL: {e}") from None
 
 
+def check_worker_flags(args: argparse.Namespace) -> None:
+    """Exits with a clear message on registry flags that cannot work, before any model is loaded."""
+    checked_redis_url(args.redis_url)
+    if not args.heartbeat_seconds > 0:
+        raise SystemExit(f"--heartbeat-seconds must be > 0, got {args.heartbeat_seconds}")
+
+
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """How a worker announces itself in the Redis registry."""
     add_redis_flag(parser)

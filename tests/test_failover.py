@@ -132,3 +132,25 @@ def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redi
     finally:
         r.close()
         replace_dead(cluster)
+
+
+def test_stream_outliving_the_drain_moves_instead_of_failing(tiny_pair, expected):
+    """A verify worker stopped with a grace shorter than the stream cuts it at the end of its drain:
+    the gateway moves the session, as for a crash, and the output is still the uninterrupted one."""
+    from tandem.redis_conn import RedisServer
+    target, draft = tiny_pair
+    own_redis = RedisServer().start()
+    try:
+        with Stack(str(target), str(draft), threads=1, redis_url=own_redis.url, verify_workers=2,
+                   heartbeat_seconds=0.5, verify_args=["--grace-seconds", "0.1"]) as s:
+            victim = []
+
+            def term():
+                victim.append(holder(s, "verify_worker"))
+                s.kill(victim[0], signal.SIGTERM)
+
+            text, final = stream_with(s, long_request(), term)
+            assert s.procs[victim[0]].wait(10) == 0
+            assert final.usage.migrations == 1 and text == expected
+    finally:
+        own_redis.stop()

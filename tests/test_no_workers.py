@@ -80,11 +80,16 @@ def test_no_verify_worker_then_no_draft_worker_then_redis_lost(tiny_pair, tiny_m
         assert r.text == tok.decode(ref, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("service", ["gateway", "verify_worker"])
-def test_a_bad_redis_url_stops_start_up_with_a_clear_message(service, tiny_pair):
+@pytest.mark.parametrize("service,flags,message", [
+    ("gateway", ["--redis-url", "http://127.0.0.1:6379"],
+     "--redis-url / REDIS_URL: Redis URL 'http://127.0.0.1:6379' must start with redis://"),
+    ("draft_worker", ["--heartbeat-seconds", "0"], "--heartbeat-seconds must be > 0, got 0.0"),
+    ("verify_worker", ["--kv-budget-tokens", "-5"], "--kv-budget-tokens must be >= 0"),
+])
+def test_bad_flags_stop_start_up_with_a_clear_message(service, flags, message, tiny_pair):
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", service, "--model", str(tiny_pair[0]), "--port", "0",
-                           "--redis-url", "http://127.0.0.1:6379"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", service, "--model", str(tiny_pair[0]), "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "--redis-url / REDIS_URL: Redis URL 'http://127.0.0.1:6379' must start with redis://" in proc.stderr
+    assert message in proc.stderr

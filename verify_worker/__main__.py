@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, checked_redis_url
+from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM
 from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, Service, setup_logging
@@ -32,7 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
-    checked_redis_url(args.redis_url)
+    check_worker_flags(args)
+    if args.kv_budget_tokens < 0:
+        raise SystemExit(f"--kv-budget-tokens must be >= 0 (0 = unbounded), got {args.kv_budget_tokens}")
     model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
     if args.calibrate:
         model.calibrate(args.max_proposal + 1)
