@@ -24,6 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_flags(parser, default_model="qwen2.5-coder-0.5b-instruct", default_dtype="int8")
     add_flag(parser, "--target-model", default="",
              help="the target this draft serves; when set, a vocabulary mismatch refuses start-up")
+    add_flag(parser, "--adaptive-k", default=True, type=bool,
+             help="choose k per round (0 included) from measured costs and the session's acceptance; "
+                  "greedy requests only")
     add_flag(parser, "--confidence", default=0.0, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
@@ -48,7 +51,7 @@ async def main(args: argparse.Namespace) -> None:
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
     inference = InferenceThread("draft")
-    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference)
+    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from draft_worker.controller import controller_for
 from draft_worker.drafters import Draft, Drafter
 from tandem import wire
 from tandem.server import CHANNEL_OPTIONS, InferenceThread
@@ -31,8 +32,9 @@ def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
-                 inference: InferenceThread) -> None:
+                 inference: InferenceThread, adaptive_k: bool = True) -> None:
         self.drafters = drafters
+        self.adaptive_k = adaptive_k
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
         self.inference = inference
@@ -72,15 +74,23 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
             tokens = list(prompt)
             cached = opened.cached_tokens        # reported once, on the first chunk
+            # Greedy only: a sampled request's output must not depend on measured timings, so that
+            # its seed reproduces it on any worker.
+            adaptive = self.adaptive_k and params.greedy
+            control = controller_for(opened.forward_ms, drafter.step_ms()) if adaptive else None
             while True:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
+                if control is not None:
+                    k = control.choose(k)
                 draft: Draft = await self.inference.run(state.propose, tokens, k)
                 proposal = pb.Proposal(token_ids=draft.tokens)
                 if draft.support is not None:
                     proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
                 await call.write(pb.VerifyRequest(proposal=proposal))
                 verdict = (await self._read(call, context)).verdict
+                if control is not None:
+                    control.observe(len(draft.tokens), verdict.accepted)
                 tokens.extend(verdict.token_ids)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
                                     accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,

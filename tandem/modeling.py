@@ -78,6 +78,7 @@ class CausalLM:
         self.dtype = dtype
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
         self.padded_length: dict[int, int] = {}
+        self.forward_ms: list[float] = []         # [i]: one forward pass of i+1 new tokens, padded as above
         config = self.model.config
         self.name = spec
         self.vocab_size: int = config.vocab_size
@@ -127,6 +128,7 @@ class CausalLM:
             best = min(range(n, max_new + 1), key=lambda m: times[m])
             if times[best] <= gain * times[n]:
                 self.padded_length[n] = best
+        self.forward_ms = [1000 * times[self.padded_length.get(n, n)] for n in range(1, max_new + 1)]
         log.info("forward ms by new tokens: %s; padded: %s",
                  {n: round(1000 * t, 1) for n, t in times.items()}, self.padded_length or "none")
 
