@@ -62,7 +62,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         params = wire.params_from_proto(request.sampling)
         prompt = list(request.prompt_ids)
         call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining())
-        state = None
+        state = pending = None
         try:
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
                 session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
@@ -78,12 +78,15 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # its seed reproduces it on any worker.
             adaptive = self.adaptive_k and params.greedy
             control = controller_for(opened.forward_ms, drafter.step_ms()) if adaptive else None
-            while True:
+
+            def next_k() -> int:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
-                if control is not None:
-                    k = control.choose(k)
-                draft: Draft = await self.inference.run(state.propose, tokens, k)
+                return control.choose(k) if control is not None else k
+
+            pending = asyncio.ensure_future(self.inference.run(state.propose, tokens, next_k()))
+            while True:
+                draft: Draft = await pending
                 proposal = pb.Proposal(token_ids=draft.tokens)
                 if draft.support is not None:
                     proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
@@ -92,12 +95,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 if control is not None:
                     control.observe(len(draft.tokens), verdict.accepted)
                 tokens.extend(verdict.token_ids)
-                yield pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
-                                    accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
-                                    cached_tokens=cached)
+                chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
+                                      accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
+                                      cached_tokens=cached)
                 cached = 0
                 if verdict.stop_reason:
+                    yield chunk
                     break
+                # The next proposal is drafted while this chunk travels to the gateway.
+                pending = asyncio.ensure_future(self.inference.run(state.propose, tokens, next_k()))
+                yield chunk
             await call.done_writing()
         except grpc.aio.AioRpcError as e:
             # Marked, so the gateway moves the session off that verify worker, not off this one.
@@ -112,6 +119,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         finally:
             self.sessions.pop(id(context), None)
             call.cancel()
+            if pending is not None and not pending.done():
+                pending.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
 
