@@ -98,6 +98,8 @@ class CausalLM:
         positions are cropped from the cache before returning."""
         n = len(token_ids)
         padded = self.padded_length.get(n, n)
+        if cache.length + padded > self.max_context:
+            padded = n                                  # never run positions past the context window
         keep = n if last is None else min(last, n)
         ids = torch.tensor([token_ids + token_ids[-1:] * (padded - n)], dtype=torch.long,
                            device=self.device)                                     # [1, padded]

@@ -77,3 +77,12 @@ def test_confidence_stops_a_proposal_early(tiny_models):
 def test_bad_dtype_is_refused(tiny_pair, dtype, device, message):
     with pytest.raises(ValueError, match=message):
         CausalLM(str(tiny_pair[1]), device=device, dtype=dtype)
+
+
+def test_no_padding_past_the_context_window(tiny_pair):
+    model = CausalLM(str(tiny_pair[0]))
+    model.padded_length = {1: 8}
+    cache = SessionCache()
+    model.forward([7] * (model.max_context - 3), cache, last=1)
+    model.forward([8], cache)                 # 8 positions would run past the window: fed as 1
+    assert cache.length == cache.kv.get_seq_length() == model.max_context - 2
