@@ -82,7 +82,13 @@ def test_bad_dtype_is_refused(tiny_pair, dtype, device, message):
 def test_no_padding_past_the_context_window(tiny_pair):
     model = CausalLM(str(tiny_pair[0]))
     model.padded_length = {1: 8}
+    fed = []
+    inner = model.model
+    model.model = lambda **kw: fed.append(kw["input_ids"].shape[1]) or inner(**kw)    # records input lengths
     cache = SessionCache()
-    model.forward([7] * (model.max_context - 3), cache, last=1)
+    model.forward([7] * 100, cache, last=1)
+    model.forward([8], cache)                 # room to spare: padded
+    model.forward([7] * (model.max_context - 104), cache, last=1)
     model.forward([8], cache)                 # 8 positions would run past the window: fed as 1
+    assert fed == [100, 8, model.max_context - 104, 1]
     assert cache.length == cache.kv.get_seq_length() == model.max_context - 2
