@@ -60,7 +60,8 @@ def load_weights(path: Path, dtype: str, device: str):
     if dtype == "int8":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+            # in place, so no float32 copy of the weights stays alive beside the int8 one
+            torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
     return model
 
 
