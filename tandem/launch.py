@@ -93,10 +93,12 @@ class Stack:
         try:
             if not self.redis_url:
                 self.redis_url, self._redis = ensure_redis()
-            names = [self.add_worker("verify_worker", wait=False) for _ in range(self.verify_workers)]
-            names += [self.add_worker("draft_worker", wait=False) for _ in range(self.draft_workers)]
-            for name in names:
-                wait_serving(self.address(name), self.procs[name], timeout)
+            # One pool after the other: each worker times its forward pass at start-up (--calibrate),
+            # and two pools loading at once on the same cores would time each other's noise.
+            for kind, count in (("verify_worker", self.verify_workers), ("draft_worker", self.draft_workers)):
+                names = [self.add_worker(kind, wait=False) for _ in range(count)]
+                for name in names:
+                    wait_serving(self.address(name), self.procs[name], timeout)
             self._spawn("gateway", ["--model", self.target, *self.gateway_args], self.gateway_port or free_port())
             wait_serving(self.address("gateway"), self.procs["gateway"], timeout)
         except BaseException:
