@@ -41,6 +41,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.sessions: dict[int, object] = {}     # drafter state by stream, while the stream lives
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
+        metrics.declare_methods(drafters)
 
     def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
         channel = self._channels.get(address)

@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     stack.start()
     print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
           f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})\n"
-          f"metrics: {', '.join(stack.metrics_url(n) for n in stack.procs)}", flush=True)
+          f"metrics: {', '.join(f'{n} {stack.metrics_url(n)}' for n in stack.procs)}", flush=True)
     try:
         if args.demo:
             from tandem import client

@@ -28,8 +28,10 @@ CHANNEL_OPTIONS = [
 
 
 def setup_observability(service: str, args) -> None:
-    """Logging (--log-level, --log-format) and tracing (OTEL_* variables) for one service process."""
+    """Logging (--log-level, --log-format), this service's metrics and tracing (OTEL_* variables)
+    for one service process."""
     logs.setup(args.log_level, getattr(args, "log_format", "json"), service)
+    metrics.register(service)
     telemetry.setup(service)
 
 
@@ -46,10 +48,6 @@ class InferenceThread:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._waiting = 0         # jobs submitted and not yet started: the queue depth
         self._gauge = metrics.queue_gauge(name)
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return (await self.run_timed(fn, *args))[0]

@@ -24,7 +24,7 @@ from gateway.request import Limits
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
 from tandem.modeling import CausalLM
-from tandem import logs, telemetry
+from tandem import logs, metrics, telemetry
 from tandem.server import CHANNEL_OPTIONS, InferenceThread
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
@@ -88,6 +88,7 @@ async def _serve(add, entry: bool = False) -> tuple[grpc.aio.Server, str]:
 
 async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None) -> InProcessStack:
     limits = limits or Limits()
+    metrics.register(*metrics.SERVICES)       # all three services share this process's registry
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
     v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
     verify = VerifyServicer(VerifyEngine(target_model), v_thread)

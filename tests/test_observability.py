@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import metrics, telemetry
@@ -148,6 +148,19 @@ async def test_in_process_one_trace_and_metrics_move(traced_stack):
     assert counter("tandem_requests_total", api="tandem", outcome="length", code="OK") == ok_before + 1
 
 
+async def test_prompt_and_completion_text_only_when_enabled(traced_stack):
+    stack, exporter = traced_stack
+    stack.core.trace_content = True           # what --trace-content sets
+    try:
+        r = await stack.tandem.Generate(request(max_new_tokens=4), timeout=60)
+    finally:
+        stack.core.trace_content = False
+    [span] = [s for s in exporter.get_finished_spans() if s.name.startswith(REQUEST_SPAN_PREFIX)
+              and s.attributes["gen_ai.conversation.id"] == r.session_id]
+    assert json.loads(span.attributes["gen_ai.input.messages"])[0]["parts"][0]["content"] == PROMPT
+    assert json.loads(span.attributes["gen_ai.output.messages"])[0]["parts"][0]["content"] == r.text
+
+
 async def test_refused_request_is_counted_with_its_status(traced_stack):
     stack, _ = traced_stack
     before = counter("tandem_requests_total", api="tandem", outcome="error", code="INVALID_ARGUMENT")
@@ -169,6 +182,8 @@ def test_tracing_off_installs_nothing():
 def test_inference_queue_depth_gauge():
     from tandem.server import InferenceThread
     gate = threading.Event()
+
+    metrics.register("verify_worker")
 
     async def main():
         thread = InferenceThread("verify")
@@ -312,6 +327,9 @@ def test_processes_one_trace_metrics_and_request_id_in_logs(process_stack, recei
     assert moved(v_before, v_after, "tandem_verify_prefill_tokens_total", source="computed") == \
         usage.prompt_tokens - 1
     assert ("tandem_verify_queue_depth", ()) in v_after and ("tandem_draft_queue_depth", ()) in d_after
+    # Each process serves its own service's metrics only.
+    assert not any(name.startswith(("tandem_verify_", "tandem_spec_")) for name, _ in g_after)
+    assert not any(name.startswith(("tandem_draft_", "tandem_spec_", "tandem_requests")) for name, _ in v_after)
     assert v_after[("tandem_verify_kv_cache_used_tokens", ())] > 0      # the finished session is kept idle
 
     # Every service logged this request as JSON lines carrying its request id and trace id.
@@ -333,3 +351,15 @@ def test_processes_request_id_made_up_when_absent(process_stack):
         rid = dict(call.initial_metadata())[REQUEST_ID_KEY]
         list(call)
     assert len(rid) == 32
+
+
+def test_grafana_dashboard_reads_only_metrics_that_exist():
+    import re
+    from pathlib import Path
+    dash = json.loads((Path(__file__).parent.parent / "deploy/grafana/tandem-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs for m in re.findall(r"tandem_[a-z0-9_]+", e)}
+    served = {obj._name for obj in vars(metrics).values() if isinstance(obj, (Counter, Gauge, Histogram))}
+    assert used and used <= served, used - served
+    # The autoscalers read these two by name (deploy/k8s/components/autoscaling, deploy/helm).
+    assert {"tandem_verify_queue_depth", "tandem_draft_queue_depth"} <= used

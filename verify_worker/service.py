@@ -28,11 +28,17 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     def _export_gauges(self) -> None:
         keeper = self.keeper
+
+        def used() -> int:
+            # Read on the metrics server's thread while the event loop changes the dicts: copy
+            # them in one step (list() of a dict view holds the GIL) before summing.
+            return sum(list(keeper.live.values())) + sum(s.cache.length for s in list(keeper.idle.values()))
+
         metrics.gauge_from(metrics.VERIFY_RUNNING, lambda: len(self.sessions))
         metrics.gauge_from(metrics.VERIFY_IDLE, lambda: len(keeper.idle))
-        metrics.gauge_from(metrics.KV_USED, keeper.used)
+        metrics.gauge_from(metrics.KV_USED, used)
         metrics.gauge_from(metrics.KV_BUDGET, lambda: keeper.budget)
-        metrics.gauge_from(metrics.KV_USAGE, lambda: keeper.used() / keeper.budget if keeper.budget else 0.0)
+        metrics.gauge_from(metrics.KV_USAGE, lambda: used() / keeper.budget if keeper.budget else 0.0)
 
     async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt

@@ -131,6 +131,8 @@ verify: {module: verify_worker}
 {{- end }}
 {{- include "tandem.redisEnv" .root }}
 {{- if $v.otel.enabled }}
+- name: OTEL_TRACES_EXPORTER
+  value: "otlp"
 - name: OTEL_SERVICE_NAME
   value: {{ printf "tandem-%s" .component | quote }}
 {{- with $v.otel.endpoint }}
