@@ -41,6 +41,29 @@ def service_run(stub, tok, prompt: str, method: str, k: int, n: int) -> dict:
             "drafted": u.draft_tokens, "accepted": u.accepted_tokens, "rounds": u.verify_rounds, "text": r.text}
 
 
+def step_ms(model, tok, prompt: str = "def fib(n):" * 16, repeats: int = 7) -> float:
+    """Median time of one decode step (one new token after a ~100-token context), in ms."""
+    from transformers import DynamicCache
+    ids = tok(prompt, return_tensors="pt").input_ids
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            cache.crop(-1)
+    return 1000 * statistics.median(times)
+
+
+def bound(alpha: float, k: int, c: float) -> float:
+    """Expected speed-up of speculative decoding with acceptance alpha, k drafts, cost ratio c."""
+    if alpha >= 1.0:
+        return (k + 1) / (k * c + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
 def hf_run(target, draft, tok, prompt: str, n: int) -> dict:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
@@ -84,7 +107,10 @@ def overhead(rounds_tokens: int = 96) -> dict:
     ids = tok(prompt).input_ids
     params = SamplingParams(max_new_tokens=rounds_tokens, min_new_tokens=rounds_tokens)
     local, remote = [], []
-    with Stack(str(target), str(draft), threads=1) as stack, grpc.insecure_channel(stack.address("gateway")) as ch:
+    # both sides run the same float32 models without padding, so the difference is the network's
+    with Stack(str(target), str(draft), threads=1, verify_args=["--no-calibrate"],
+               draft_args=["--dtype", "float32", "--no-calibrate"]) as stack, \
+            grpc.insecure_channel(stack.address("gateway")) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
         req = build_request(prompt, max_new_tokens=rounds_tokens, method="model", k=4)
         req.sampling.min_new_tokens = rounds_tokens
@@ -109,6 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("-k", type=int, default=7, help="speculative tokens per round (model)")
     p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--draft-dtype", default="int8", help="the draft worker's --dtype")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
     p.add_argument("--skip-models", action="store_true", help="only the overhead measurement")
     p.add_argument("--out", default="bench/results/e2e.json")
@@ -123,15 +150,18 @@ def main(argv=None) -> None:
     if not a.skip_models:
         import transformers
         from transformers import AutoModelForCausalLM
-        from tandem.modeling import load_tokenizer, resolve
+        from tandem.modeling import load_tokenizer, load_weights, resolve
         torch.set_num_threads(a.threads)
         tok = load_tokenizer(a.target)
         configs = [("none", 0), ("model", a.k), ("ngram", a.ngram_k)]
-        runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted"]}
-        result["setup"] = {"target": a.target, "draft": a.draft, "k": a.k, "ngram_k": a.ngram_k,
+        runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted",
+                                                       "hf_assisted_int8"]}
+        result["setup"] = {"target": a.target, "draft": a.draft, "draft_dtype": a.draft_dtype, "k": a.k,
+                           "ngram_k": a.ngram_k,
                            "max_new_tokens": a.max_new_tokens, "threads_per_process": a.threads,
                            "transformers": transformers.__version__, "prompts": PROMPTS[:a.prompts]}
-        with Stack(a.target, a.draft, threads=a.threads) as stack, grpc.insecure_channel(stack.address("gateway")) as ch:
+        with Stack(a.target, a.draft, threads=a.threads, draft_args=["--dtype", a.draft_dtype]) as stack, \
+                 grpc.insecure_channel(stack.address("gateway")) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
             service_run(stub, tok, "warm up", "model", a.k, 8)
             service_run(stub, tok, "warm up", "none", 0, 8)
@@ -142,16 +172,24 @@ def main(argv=None) -> None:
         # The service's processes are stopped now, so the in-process runs get the cores to themselves.
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
         draft = AutoModelForCausalLM.from_pretrained(resolve(a.draft), dtype=torch.float32).eval()
+        # the draft worker's own int8 weights (tandem.modeling), so both sides run the same draft
+        draft_int8 = load_weights(resolve(a.draft), "int8", "cpu")
         hf_run(target, draft, tok, "warm up", 8)
+        hf_run(target, draft_int8, tok, "warm up", 8)
         for prompt in PROMPTS[:a.prompts]:
             runs["hf_plain"].append(hf_run(target, None, tok, prompt, a.max_new_tokens))
             runs["hf_assisted"].append(hf_run(target, draft, tok, prompt, a.max_new_tokens))
-            print(f"  hf     {runs['hf_plain'][-1]['tok_s']:.2f} / assisted {runs['hf_assisted'][-1]['tok_s']:.2f} tok/s",
-                  flush=True)
+            runs["hf_assisted_int8"].append(hf_run(target, draft_int8, tok, prompt, a.max_new_tokens))
+            print(f"  hf     {runs['hf_plain'][-1]['tok_s']:.2f} / assisted {runs['hf_assisted'][-1]['tok_s']:.2f}"
+                  f" / assisted, int8 draft {runs['hf_assisted_int8'][-1]['tok_s']:.2f} tok/s", flush=True)
+        steps = {"target": step_ms(target, tok), "draft": step_ms(draft, tok), "draft_int8": step_ms(draft_int8, tok)}
+        c = steps["draft_int8" if a.draft_dtype == "int8" else "draft"] / steps["target"]
+        result["step_ms"], result["c"] = steps, c
         summary = {name: summarize(r) for name, r in runs.items() if r}
         for name, base in [("none", "none"), ("model", "none"), ("ngram", "none"),
-                           ("hf_plain", "hf_plain"), ("hf_assisted", "hf_plain")]:
+                           ("hf_plain", "hf_plain"), ("hf_assisted", "hf_plain"), ("hf_assisted_int8", "hf_plain")]:
             summary[name]["speedup"] = summary[name]["tok_s_total"] / summary[base]["tok_s_total"]
+        summary["model"]["bound"] = bound(summary["model"]["acceptance"], a.k, c)
         same = [a_["text"] == b_["text"] for a_, b_ in zip(runs["model"], runs["none"])]
         result["summary"], result["runs"], result["model_output_equals_none"] = summary, runs, same
         print("\n| run | tokens/s (all prompts) | median (min-max) | speed-up | acceptance | mean accepted length |")
@@ -162,6 +200,9 @@ def main(argv=None) -> None:
             print(f"| {name} | {s['tok_s_total']:.2f} | {s['tok_s_median']:.2f} ({s['tok_s_min']:.2f}-{s['tok_s_max']:.2f})"
                   f" | {s['speedup']:.2f}x | {acc} | {mal} |")
         print(f"\nservice 'model' output identical to 'none': {sum(same)}/{len(same)} prompts")
+        print(f"decode step: target {steps['target']:.0f} ms, draft {steps['draft']:.0f} ms (float32), "
+              f"{steps['draft_int8']:.0f} ms (int8); c = {c:.3f}; bound for the service's acceptance and "
+              f"k={a.k}: {summary['model']['bound']:.2f}x")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")

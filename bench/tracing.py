@@ -121,8 +121,10 @@ def main(argv=None) -> None:
     # A private Redis server per stack: stacks sharing one would discover each other's workers.
     redis = {name: RedisServer().start() for name in envs}
     # The services' logs go to files, out of the table's way.
+    # A fixed k: the same rounds in every configuration, whatever the costs measured at start-up.
     stacks = {name: Stack(target, draft, threads=a.threads, redis_url=redis[name].url, extra_env=env,
-                          log_dir=tempfile.mkdtemp(prefix=f"tandem-bench-{name}-")) for name, env in envs.items()}
+                          log_dir=tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"), draft_args=["--no-adaptive-k"])
+              for name, env in envs.items()}
     runs: dict[str, list[dict]] = {name: [] for name in envs}
     channels = {}
     try:

@@ -21,9 +21,14 @@ log = logging.getLogger("draft_worker")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="draft_worker", description=__doc__)
     add_common_flags(parser, default_port=50053, default_metrics_port=9092)
-    add_model_flags(parser, default_model="qwen2.5-coder-0.5b-instruct")
+    add_model_flags(parser, default_model="qwen2.5-coder-0.5b-instruct", default_dtype="int8")
     add_flag(parser, "--target-model", default="",
              help="the target this draft serves; when set, a vocabulary mismatch refuses start-up")
+    add_flag(parser, "--adaptive-k", default=True, type=bool,
+             help="choose k per round (0 included) from measured costs and the session's acceptance; "
+                  "greedy requests only")
+    add_flag(parser, "--confidence", default=0.0, type=float,
+             help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
     add_worker_flags(parser)
     return parser.parse_args(argv)
@@ -39,13 +44,15 @@ async def main(args: argparse.Namespace) -> None:
             problem = vocab_mismatch(args.target_model, args.model)
             if problem:
                 raise SystemExit(f"refusing to start: {problem}")
-        model = CausalLM(args.model, device=args.device, threads=args.threads)
-        drafters["model"] = ModelDrafter(model)
+        model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+        if args.calibrate:
+            model.calibrate(4, last=1)     # a round feeds 1 or 2 tokens; prompts are long enough not to matter
+        drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
                       metrics_host=args.host, metrics_port=args.metrics_port)
     inference = InferenceThread("draft")
-    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference)
+    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

@@ -36,22 +36,32 @@ class DraftState(Protocol):
 
 class Drafter(Protocol):
     name: str
+    def step_ms(self) -> float | None: ...    # one proposed token's cost; None when not measured
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState: ...
 
 
 class ModelDrafter:
+    """A causal LM sharing the target's vocabulary. `confidence`: stop a proposal after a token the
+    draft itself gives less probability than this, since the tokens after it are likely wasted."""
+
     name = "model"
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, confidence: float = 0.0) -> None:
         self.model = model
+        self.confidence = confidence
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
-        return _ModelDraftState(self.model, params, eos_ids, prompt_len)
+        return _ModelDraftState(self.model, params, eos_ids, prompt_len, self.confidence)
+
+    def step_ms(self) -> float | None:
+        return self.model.forward_ms[0] if self.model.forward_ms else None
 
 
 class _ModelDraftState:
-    def __init__(self, model: CausalLM, params: SamplingParams, eos_ids: list[int], prompt_len: int):
+    def __init__(self, model: CausalLM, params: SamplingParams, eos_ids: list[int], prompt_len: int,
+                 confidence: float = 0.0):
         self.model, self.params, self.eos_ids, self.prompt_len = model, params, eos_ids, prompt_len
+        self.confidence = confidence
         self.cache = SessionCache()
         self.cached: list[int] = []              # token ids whose KV is in self.cache
         self.generator = make_generator(params.seed, stream=1)
@@ -67,18 +77,20 @@ class _ModelDraftState:
         tokens: list[int] = []
         support = [] if not self.params.greedy else None
         for i in range(k):
-            logits = self.model.forward(feed, self.cache)[-1:]          # [1, V]
+            logits = self.model.forward(feed, self.cache, last=1)     # [1, V]
             self.cached.extend(feed)
             generated = len(context) - self.prompt_len + i
             logits = suppress_eos(logits, self.eos_ids, generated, self.params.min_new_tokens)
             if self.params.greedy:
                 token = int(logits[0].argmax())
+                q_token = float(torch.softmax(logits[0], dim=-1)[token]) if self.confidence else 1.0
             else:
                 ids, probs = _truncate(probabilities(logits, self.params)[0])
-                token = int(ids[torch.multinomial(probs, 1, generator=self.generator)])
+                pick = int(torch.multinomial(probs, 1, generator=self.generator))
+                token, q_token = int(ids[pick]), float(probs[pick])
                 support.append((ids, probs))
             tokens.append(token)
-            if token in self.eos_ids:
+            if token in self.eos_ids or q_token < self.confidence:
                 break
             feed = [token]
         return Draft(tokens, support)
@@ -99,6 +111,9 @@ class NgramDrafter:
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
         return self
+
+    def step_ms(self) -> float | None:
+        return 0.0
 
     def propose(self, context: list[int], k: int) -> Draft:
         if k <= 0:

@@ -36,7 +36,7 @@ def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> lis
     """The target alone, token by token, the way a plain decoder does it."""
     cache = SessionCache()
     g = make_generator(params.seed, stream=0)
-    logits = model.forward(prompt, cache)[-1:]
+    logits = model.forward(prompt, cache, last=1)
     out: list[int] = []
     while True:
         logits = suppress_eos(logits, model.eos_ids, len(out), params.min_new_tokens)

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from draft_worker.controller import controller_for
 from draft_worker.drafters import Draft, Drafter
 from tandem import logs, metrics, telemetry, wire
 from tandem.server import InferenceThread
@@ -33,8 +34,9 @@ def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
-                 inference: InferenceThread) -> None:
+                 inference: InferenceThread, adaptive_k: bool = True) -> None:
         self.drafters = drafters
+        self.adaptive_k = adaptive_k
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
         self.inference = inference
@@ -66,7 +68,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         prompt = list(request.prompt_ids)
         call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining(),
                                                                 metadata=logs.outgoing_metadata())
-        state = None
+        state = pending = None
         try:
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
                 session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
@@ -78,12 +80,22 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
             tokens = list(prompt)
             cached = opened.cached_tokens        # reported once, on the first chunk
-            rounds = drafted = accepted = 0
-            while True:
+            # Greedy only: a sampled request's output must not depend on measured timings, so that
+            # its seed reproduces it on any worker.
+            adaptive = self.adaptive_k and params.greedy
+            control = controller_for(opened.forward_ms, drafter.step_ms()) if adaptive else None
+
+            def next_k() -> int:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
+                return control.choose(k) if control is not None else k
+
+            pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
+            rounds = drafted = accepted = 0
+            while True:
+                draft, propose_s = await pending
                 with telemetry.span("speculation round") as span:
-                    draft, verdict, propose_s, rtt_s = await self._round(call, context, state, tokens, k)
+                    verdict, rtt_s = await self._verify_round(call, context, draft)
                     if span is not None:
                         span.set_attributes(telemetry.round_attributes(
                             len(draft.tokens), verdict.accepted, verdict.token_ids, verdict.batch_size,
@@ -93,13 +105,19 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 metrics.ROUND_TRIP.observe(rtt_s)
                 metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
                 rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
+                if control is not None:
+                    control.observe(len(draft.tokens), verdict.accepted)
                 tokens.extend(verdict.token_ids)
-                yield pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
-                                    accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
-                                    cached_tokens=cached)
+                chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
+                                      accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
+                                      cached_tokens=cached)
                 cached = 0
                 if verdict.stop_reason:
+                    yield chunk
                     break
+                # The next proposal is drafted while this chunk travels to the gateway.
+                pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
+                yield chunk
             log.info("speculation finished", extra={"fields": {
                 "method": drafter.name, "rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
                 "generated_tokens": len(tokens) - len(prompt), "verify_worker": request.verify_address}})
@@ -120,19 +138,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         finally:
             self.sessions.pop(id(context), None)
             call.cancel()
+            if pending is not None and not pending.done():
+                pending.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
 
-    async def _round(self, call, context, state, tokens: list[int], k: int) -> tuple[Draft, pb.Verdict, float, float]:
-        """Proposes k tokens and has them verified: (draft, verdict, propose seconds, round-trip seconds)."""
-        draft, propose_s = await self.inference.run_timed(state.propose, tokens, k)
+    async def _verify_round(self, call, context, draft: Draft) -> tuple[pb.Verdict, float]:
+        """Sends one proposal and reads its verdict: (verdict, round-trip seconds)."""
         proposal = pb.Proposal(token_ids=draft.tokens)
         if draft.support is not None:
             proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
         sent = time.perf_counter()
         await call.write(pb.VerifyRequest(proposal=proposal))
         verdict = (await self._read(call, context)).verdict
-        return draft, verdict, propose_s, time.perf_counter() - sent
+        return verdict, time.perf_counter() - sent
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         kv = sum(s.cache.nbytes() for s in self.sessions.values() if hasattr(s, "cache"))

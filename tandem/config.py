@@ -68,8 +68,13 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
              help="registry heartbeat interval; the entry expires after three missed beats")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default_dtype: str) -> None:
     add_flag(parser, "--model", default=default_model,
              help="preset name, Hugging Face folder or .gguf file")
+    add_flag(parser, "--dtype", default=default_dtype,
+             help="float32, bfloat16, float16, or int8 (dynamic quantization, CPU only)")
     add_flag(parser, "--threads", default=2, type=int, help="torch intra-op threads")
     add_flag(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_flag(parser, "--calibrate", default=True, type=bool,
+             help="at start-up, measure the forward pass for each number of new tokens and pad "
+                  "inputs to a longer length where that is faster")

@@ -54,6 +54,7 @@ class Stack:
     verify_workers: int = 1
     draft_workers: int = 1
     verify_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
     heartbeat_seconds: float = 2.0
     log_dir: str = ""                # when set, each process's log goes to <log_dir>/<name>.log
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -95,7 +96,8 @@ class Stack:
         if kind == "verify_worker":
             args = ["--model", self.target, "--threads", str(self.threads), *beat, *self.verify_args]
         else:
-            args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat]
+            args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat,
+                    *self.draft_args]
         self._spawn(name, args, free_port())
         if wait:
             wait_serving(self.address(name), self.procs[name], timeout)

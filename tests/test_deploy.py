@@ -1,6 +1,7 @@
 """The deployment: the Helm chart rendered with each example values file and every kustomize overlay,
 linted by Helm's own library, validated against the Kubernetes schemas (kubernetes-validate, strict)
-and checked for meaning: which pool gets GPUs, probes, drain timing, budgets, spreading, scaling.
+and checked for meaning: which pool gets GPUs, probes, drain timing, budgets, spreading, scaling,
+Redis discovery, one target model name for gateway, verify and draft, dtypes that fit the device.
 
 No cluster and no network: helm-python-sdk renders offline, kubectl kustomize renders locally.
 """
@@ -34,6 +35,7 @@ POOLS = {"gateway": "gateway", "draft": "draft_worker", "verify": "verify_worker
 VALUES_FILES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
 OVERLAYS = sorted(p.name for p in OVERLAYS_DIR.iterdir() if (p / "kustomization.yaml").is_file())
 RELEASE, NAMESPACE = "tandem", "tandem"
+DTYPES = {"float32", "bfloat16", "float16", "int8"}  # --dtype; int8 is CPU only
 
 
 # ---- rendering ----
@@ -94,13 +96,23 @@ def main_container(deployment: dict) -> dict:
 
 
 def env_of(docs: list[dict], container: dict) -> dict[str, object]:
-    """The container's environment: ConfigMap envFrom first, then env (which wins, as in a pod)."""
+    """The container's environment: ConfigMap envFrom first, then env (which wins, as in a pod).
+    A configMapKeyRef reads the ConfigMap; other valueFrom sources stay as they are."""
     env: dict[str, object] = {}
     for source in container.get("envFrom", []):
         env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
     for var in container.get("env", []):
-        env[var["name"]] = var["value"] if "value" in var else var["valueFrom"]
+        ref = var.get("valueFrom", {}).get("configMapKeyRef")
+        if ref:
+            env[var["name"]] = one(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+        else:
+            env[var["name"]] = var["value"] if "value" in var else var["valueFrom"]
     return env
+
+
+def expand(text: str, env: dict[str, object]) -> str:
+    """$(VAR) references in args, as the kubelet expands them."""
+    return re.sub(r"\$\((\w+)\)", lambda m: str(env.get(m.group(1), m.group(0))), text)
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -208,16 +220,30 @@ def test_probes_are_native_grpc_on_the_service_port(charts, overlays):
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, (name, pool)
 
 
-def test_termination_grace_outlasts_pre_stop_and_drain(charts, overlays):
+def module_constant(path: str, name: str) -> float:
+    """A module-level number from a service source file, read without importing it."""
+    for node in ast.parse((ROOT / path).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return float(ast.literal_eval(node.value))
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def test_termination_grace_outlasts_pre_stop_notice_and_drain(charts, overlays):
+    # After SIGTERM a service reports NOT_SERVING for a short notice, then drains; a worker first
+    # leaves the Redis registry, which takes up to a connect plus a command timeout when Redis is down.
+    notice = module_constant("tandem/server.py", "DRAIN_NOTICE_S")
+    deregister = 2 * module_constant("tandem/redis_conn.py", "TIMEOUT_S")
     longer = render_chart({"graceSeconds": 45, "preStopSleepSeconds": 8})
     for name, docs in {**all_renders(charts, overlays), "helm:grace 45": longer}.items():
         for pool, deployment in pool_deployments(docs).items():
             container = main_container(deployment)
             pre_stop = float(container["lifecycle"]["preStop"]["exec"]["command"][1])
             drain = float(env_of(docs, container)["TANDEM_GRACE_SECONDS"])
+            leave = 0.0 if pool == "gateway" else deregister
             grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-            assert grace > pre_stop + drain, (name, pool, grace, pre_stop, drain)
-    assert pool_deployments(longer)["verify"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 68
+            assert grace > pre_stop + notice + leave + drain, (name, pool, grace, pre_stop, drain)
+    # preStop 8 + ceil(45 + 0.5) + margin 15
+    assert pool_deployments(longer)["verify"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 69
 
 
 def test_each_pool_has_its_own_disruption_budget(charts, overlays):
@@ -290,31 +316,91 @@ def test_keda_scales_the_worker_pools_from_prometheus(charts):
         render_chart({"verify": {"keda": {"enabled": True}, "autoscaling": {"enabled": True}}})
 
 
-def test_the_gateway_finds_each_pool_through_its_service(charts, overlays):
+def test_the_gateway_finds_worker_pods_in_redis(charts, overlays):
+    """Discovery through Redis everywhere: no static worker lists (they would switch it off), a
+    REDIS_URL in every pod, and each worker advertising its own pod IP, so the gateway dials pods
+    and spreads requests over them instead of holding one connection to a Service."""
     for name, docs in all_renders(charts, overlays).items():
         pools = pool_deployments(docs)
-        env = env_of(docs, main_container(pools["gateway"]))
-        for pool, flag in (("verify", "TANDEM_VERIFY_WORKERS"), ("draft", "TANDEM_DRAFT_WORKERS")):
-            host, port = env[flag].split(":")
-            service = one(docs, "Service", host)
-            assert matches({"matchLabels": service["spec"]["selector"]},
-                           pools[pool]["spec"]["template"]["metadata"]["labels"]), (name, pool)
-            grpc_port = {p["name"]: p for p in service["spec"]["ports"]}["grpc"]
-            assert grpc_port["port"] == int(port) == int(env_of(docs, main_container(pools[pool]))["TANDEM_PORT"])
-
-
-def test_redis_discovery_drops_the_static_worker_lists(charts, overlays):
-    for docs in (*charts.values(), *overlays.values()):
-        for pool, deployment in pool_deployments(docs).items():
+        gateway = env_of(docs, main_container(pools["gateway"]))
+        assert not {"TANDEM_VERIFY_WORKERS", "TANDEM_DRAFT_WORKERS"} & set(gateway), name
+        for pool, deployment in pools.items():
+            env = env_of(docs, main_container(deployment))
+            assert "REDIS_URL" in env, (name, pool)
             if pool != "gateway":
-                port = env_of(docs, main_container(deployment))["TANDEM_PORT"]
-                assert env_of(docs, main_container(deployment))["TANDEM_ADVERTISE_ADDRESS"] == f"$(POD_IP):{port}"
-    docs = render_chart({"gateway": {"workerDiscovery": "redis"}})
-    env = env_of(docs, main_container(pool_deployments(docs)["gateway"]))
-    assert "TANDEM_VERIFY_WORKERS" not in env and "TANDEM_DRAFT_WORKERS" not in env
-    assert env["REDIS_URL"] == "redis://tandem-redis:6379/0"
+                assert env["TANDEM_ADVERTISE_ADDRESS"] == f"$(POD_IP):{env['TANDEM_PORT']}", (name, pool)
+                assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}, (name, pool)
+    for docs in (charts["defaults"], *overlays.values()):
+        redis = one(docs, "Service", "tandem-redis")
+        host_port = env_of(docs, main_container(pool_deployments(docs)["gateway"]))["REDIS_URL"].split("/")[2]
+        assert host_port == f"tandem-redis:{redis['spec']['ports'][0]['port']}"
     with pytest.raises(helm.HelmError, match="needs a Redis"):
-        render_chart({"gateway": {"workerDiscovery": "redis"}, "redis": {"enabled": False}})
+        render_chart({"redis": {"enabled": False}})
+
+
+def test_static_discovery_is_an_explicit_choice_naming_the_pools_services():
+    docs = render_chart({"gateway": {"workerDiscovery": "static"}})
+    pools = pool_deployments(docs)
+    env = env_of(docs, main_container(pools["gateway"]))
+    for pool, flag in (("verify", "TANDEM_VERIFY_WORKERS"), ("draft", "TANDEM_DRAFT_WORKERS")):
+        host, port = env[flag].split(":")
+        service = one(docs, "Service", host)
+        assert matches({"matchLabels": service["spec"]["selector"]},
+                       pools[pool]["spec"]["template"]["metadata"]["labels"]), pool
+        grpc_port = {p["name"]: p for p in service["spec"]["ports"]}["grpc"]
+        assert grpc_port["port"] == int(port) == int(env_of(docs, main_container(pools[pool]))["TANDEM_PORT"])
+    without_redis = render_chart({"gateway": {"workerDiscovery": "static"}, "redis": {"enabled": False}})
+    assert "TANDEM_VERIFY_WORKERS" in env_of(without_redis, main_container(pool_deployments(without_redis)["gateway"]))
+
+
+def target_model_names(docs: list[dict]) -> dict[str, object]:
+    """The names the registry matches: gateway and verify TANDEM_MODEL, draft TANDEM_TARGET_MODEL."""
+    pools = pool_deployments(docs)
+    return {"gateway": env_of(docs, main_container(pools["gateway"]))["TANDEM_MODEL"],
+            "verify": env_of(docs, main_container(pools["verify"]))["TANDEM_MODEL"],
+            "draft": env_of(docs, main_container(pools["draft"])).get("TANDEM_TARGET_MODEL")}
+
+
+def test_gateway_verify_and_draft_name_the_same_target(charts, overlays):
+    """The registry compares model names as strings: a draft with another (or no) TANDEM_TARGET_MODEL
+    is only used for n-gram drafting, a verify worker under another name not at all."""
+    for name, docs in all_renders(charts, overlays).items():
+        names = target_model_names(docs)
+        assert len(set(names.values())) == 1 and names["gateway"], (name, names)
+    # the check sees a difference ...
+    docs = json.loads(json.dumps(charts["gpu"]))
+    for var in main_container(pool_deployments(docs)["draft"])["env"]:
+        if var["name"] == "TANDEM_TARGET_MODEL":
+            var["value"] = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert len(set(target_model_names(docs).values())) == 2
+    # ... the chart derives the draft's target from the verify model, and refuses another spelling
+    renamed = target_model_names(render_chart({"verify": {"model": "smollm2-135m-instruct"}}))
+    assert set(renamed.values()) == {"smollm2-135m-instruct"}
+    with pytest.raises(helm.HelmError, match="spelled exactly as verify.model"):
+        render_chart({"gateway": {"model": "/models/qwen2.5-coder-1.5b-instruct"}})
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'targetModel' not allowed"):
+        render_chart({"draft": {"targetModel": "qwen2.5-coder-1.5b-instruct"}})
+
+
+def test_worker_dtypes_fit_their_device_and_the_kv_budget_is_set(charts, overlays):
+    for name, docs in all_renders(charts, overlays).items():
+        pools = pool_deployments(docs)
+        for pool in ("draft", "verify"):
+            env = env_of(docs, main_container(pools[pool]))
+            assert env["TANDEM_DTYPE"] in DTYPES, (name, pool)
+            assert env["TANDEM_DTYPE"] != "int8" or env["TANDEM_DEVICE"] == "cpu", (name, pool)
+            assert env["TANDEM_CALIBRATE"] == "true", (name, pool)
+        verify, draft = (env_of(docs, main_container(pools[p])) for p in ("verify", "draft"))
+        assert verify["TANDEM_DTYPE"] == "float32", name
+        assert draft["TANDEM_DTYPE"] == ("int8" if draft["TANDEM_DEVICE"] == "cpu" else "bfloat16"), name
+        assert int(verify["TANDEM_KV_BUDGET_TOKENS"]) == 32768, name
+    docs = render_chart({"verify": {"kvBudgetTokens": 1048576, "calibrate": False, "dtype": "bfloat16"}})
+    env = env_of(docs, main_container(pool_deployments(docs)["verify"]))
+    assert (env["TANDEM_KV_BUDGET_TOKENS"], env["TANDEM_CALIBRATE"], env["TANDEM_DTYPE"]) == ("1048576", "false", "bfloat16")
+    with pytest.raises(helm.HelmError, match="CPU only"):
+        render_chart({"draft": {"gpu": {"count": 1}, "dtype": "int8"}})
+    with pytest.raises(helm.HelmValuesError, match="kvBudgetTokens"):
+        render_chart({"verify": {"kvBudgetTokens": -1}})
 
 
 def test_models_are_fetched_into_a_volume_not_baked_in(charts, overlays):
@@ -329,9 +415,10 @@ def test_models_are_fetched_into_a_volume_not_baked_in(charts, overlays):
                 assert inits == [], (name, pool)
                 continue
             assert len(inits) == 1, (name, pool)
-            args = [a.replace("$(TANDEM_MODEL)", str(env_of(docs, inits[0]).get("TANDEM_MODEL")))
-                    for a in inits[0]["args"]]
+            args = [expand(a, env_of(docs, inits[0])) for a in inits[0]["args"]]
             assert args[:2] == ["tandem.presets", "fetch"] and model in args[2:], (name, pool, args)
+            if pool == "draft":  # the vocabulary check before start-up reads the target too
+                assert env["TANDEM_TARGET_MODEL"] in args[2:], (name, args)
             cache = env["TANDEM_CACHE_DIR"]
             for c in (container, inits[0]):
                 assert env_of(docs, c)["TANDEM_CACHE_DIR"] == cache
@@ -404,20 +491,27 @@ def service_flags() -> dict[str, set[str]]:
     return result
 
 
-# Read by tandem.presets, or flags of work that has not landed yet (metrics; the Redis registry's
-# advertised address): set ahead so the manifests need no change when it does.
-NOT_FLAGS = {"TANDEM_CACHE_DIR", "TANDEM_METRICS_PORT", "TANDEM_ADVERTISE_ADDRESS"}
+# Read by tandem.presets (the init container's fetch, and model resolution in every pod).
+NOT_FLAGS = {"TANDEM_CACHE_DIR"}
+# Flags of work on other branches, set ahead so the manifests need no change when it merges:
+# --metrics-port (every service) and the speed work's --dtype / --calibrate (the workers).
+# Once a service reads one, the check below covers it like any other flag.
+NOT_MERGED = {"gateway": {"TANDEM_METRICS_PORT"},
+              "draft": {"TANDEM_METRICS_PORT", "TANDEM_DTYPE", "TANDEM_CALIBRATE"},
+              "verify": {"TANDEM_METRICS_PORT", "TANDEM_DTYPE", "TANDEM_CALIBRATE"}}
 
 
 def test_every_tandem_variable_set_is_one_a_service_reads(charts, overlays):
     flags = service_flags()
-    assert {"TANDEM_VERIFY_WORKERS", "TANDEM_GRACE_SECONDS"} <= flags["gateway"]
-    assert "TANDEM_MAX_PROPOSAL" in flags["verify"] and "TANDEM_DEVICE" in flags["draft"]
+    assert {"TANDEM_VERIFY_WORKERS", "TANDEM_GRACE_SECONDS", "TANDEM_MAX_MIGRATIONS"} <= flags["gateway"]
+    assert {"TANDEM_MAX_PROPOSAL", "TANDEM_KV_BUDGET_TOKENS", "TANDEM_ADVERTISE_ADDRESS"} <= flags["verify"]
+    assert {"TANDEM_TARGET_MODEL", "TANDEM_HEARTBEAT_SECONDS", "TANDEM_DEVICE"} <= flags["draft"]
     for name, docs in all_renders(charts, overlays).items():
         for pool, deployment in pool_deployments(docs).items():
             container = main_container(deployment)
             assert container["args"] == [POOLS[pool]], (name, pool)
-            unknown = {k for k in env_of(docs, container) if k.startswith("TANDEM_")} - flags[pool] - NOT_FLAGS
+            unknown = ({k for k in env_of(docs, container) if k.startswith("TANDEM_")}
+                       - flags[pool] - NOT_FLAGS - NOT_MERGED[pool])
             assert not unknown, f"{name}: {pool} sets {sorted(unknown)}, which {POOLS[pool]} does not read"
 
 

@@ -16,7 +16,9 @@ from draft_worker.local import reference
 @pytest.fixture(scope="module")
 def stack(tiny_pair, redis_server):
     target, draft = tiny_pair
-    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url) as s:
+    # Fixed k: with two tiny models of one size a draft step costs as much as a verify pass, and the
+    # controller would rightly stop speculating; these tests are about the speculative path.
+    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, draft_args=["--no-adaptive-k"]) as s:
         yield s
 
 

@@ -254,8 +254,9 @@ def process_stack(tiny_pair, redis_server, receiver, tmp_path_factory):
     env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "50"}
     logs = tmp_path_factory.mktemp("logs")
+    # A fixed k, so every request drafts (tiny models' measured costs can make adaptive k choose 0).
     with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, extra_env=env,
-               log_dir=str(logs)) as s:
+               log_dir=str(logs), draft_args=["--no-adaptive-k"]) as s:
         yield s, logs
 
 

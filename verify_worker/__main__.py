@@ -22,7 +22,7 @@ log = logging.getLogger("verify_worker")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="verify_worker", description=__doc__)
     add_common_flags(parser, default_port=50052, default_metrics_port=9091)
-    add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct")
+    add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
     add_flag(parser, "--kv-budget-tokens", default=32768, type=int,
              help="KV cache positions all sessions may hold together; finished sessions are evicted "
@@ -35,7 +35,9 @@ async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
     if args.kv_budget_tokens < 0:
         raise SystemExit(f"--kv-budget-tokens must be >= 0 (0 = unbounded), got {args.kv_budget_tokens}")
-    model = CausalLM(args.model, device=args.device, threads=args.threads)
+    model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+    if args.calibrate:
+        model.calibrate(args.max_proposal + 1)
     engine = VerifyEngine(model, max_proposal=args.max_proposal)
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name],
                       metrics_host=args.host, metrics_port=args.metrics_port)

@@ -73,7 +73,7 @@ class VerifyEngine:
             reuse.cache.crop(min(common_prefix(reuse.tokens, prompt_ids), len(prompt_ids) - 1))
             s.cache = reuse.cache
         if len(prompt_ids) - 1 > s.cache.length:
-            self.model.forward(prompt_ids[s.cache.length:-1], s.cache)
+            self.model.forward(prompt_ids[s.cache.length:-1], s.cache, last=1)
         return s
 
     def verify(self, s: TargetSession, proposed: list[int],

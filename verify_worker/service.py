@@ -87,7 +87,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                                        list(req.open.prompt_ids), req.open.sampling)
                     yield pb.VerifyResponse(opened=pb.Opened(
                         cached_tokens=cached, vocab_size=self.engine.model.vocab_size,
-                        max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context))
+                        max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context,
+                        forward_ms=self.engine.model.forward_ms))
                 elif kind == "proposal":
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

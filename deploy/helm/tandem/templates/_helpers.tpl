@@ -57,9 +57,34 @@ draft: {module: draft_worker}
 verify: {module: verify_worker}
 {{- end }}
 
-{{/* Seconds Kubernetes waits after SIGTERM: longer than the preStop sleep plus the drain. */}}
+{{/* Seconds Kubernetes waits after SIGTERM: the preStop sleep, the 0.5 s NOT_SERVING notice and
+the drain, plus a margin (a worker also leaves the Redis registry before it drains). */}}
 {{- define "tandem.terminationGracePeriodSeconds" -}}
-{{- add (int .Values.preStopSleepSeconds) (ceil .Values.graceSeconds | int) (int .Values.terminationGraceMarginSeconds) }}
+{{- add (int .Values.preStopSleepSeconds) (ceil (addf .Values.graceSeconds 0.5) | int) (int .Values.terminationGraceMarginSeconds) }}
+{{- end }}
+
+{{/* The target model: the gateway's TANDEM_MODEL, the verify pool's model, and the draft pool's
+TANDEM_TARGET_MODEL. The registry matches these names as strings, so they are one value. */}}
+{{- define "tandem.targetModel" -}}
+{{- $v := .Values }}
+{{- if and (eq $v.gateway.workerDiscovery "redis") $v.gateway.model (ne $v.gateway.model $v.verify.model) }}
+{{- fail (printf "gateway.model %q must be spelled exactly as verify.model %q: with redis discovery the gateway only uses workers registered under its own model name (leave gateway.model empty)" $v.gateway.model $v.verify.model) }}
+{{- end }}
+{{- default $v.verify.model $v.gateway.model }}
+{{- end }}
+
+{{/* The pool's weight dtype: its own, else float32 for verify and, for draft, int8 on the CPU and
+bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker refuses it elsewhere. */}}
+{{- define "tandem.dtype" -}}
+{{- $device := include "tandem.device" . }}
+{{- $dtype := .pool.dtype }}
+{{- if not $dtype }}
+{{- $dtype = ternary "float32" (ternary "int8" "bfloat16" (eq $device "cpu")) (eq .component "verify") }}
+{{- end }}
+{{- if and (eq $dtype "int8") (ne $device "cpu") }}
+{{- fail (printf "%s.dtype int8 runs on the CPU only, and this pool's device is %s: use bfloat16" .component $device) }}
+{{- end }}
+{{- $dtype }}
 {{- end }}
 
 {{/* torch device: the pool's own setting, else cuda when it has GPUs. */}}
@@ -72,16 +97,12 @@ verify: {module: verify_worker}
 {{- $v := .root.Values }}
 {{- $models := list }}
 {{- if eq .component "gateway" }}
-{{- $models = append $models (default $v.verify.model $v.gateway.model) }}
+{{- $models = append $models (include "tandem.targetModel" .root) }}
 {{- else if eq .component "verify" }}
 {{- $models = append $models $v.verify.model }}
-{{- else }}
-{{- if and $v.draft.model (ne $v.draft.model "none") }}
-{{- $models = append $models $v.draft.model }}
-{{- end }}
-{{- if $v.draft.targetModel }}
-{{- $models = append $models $v.draft.targetModel }}
-{{- end }}
+{{- else if and $v.draft.model (ne $v.draft.model "none") }}
+{{- /* the target too: the draft checks that their vocabularies match before it starts */}}
+{{- $models = list $v.draft.model (include "tandem.targetModel" .root) }}
 {{- end }}
 {{- join " " (uniq $models) }}
 {{- end }}
@@ -158,7 +179,7 @@ verify: {module: verify_worker}
 {{- $v := .root.Values }}
 {{- if eq .component "gateway" }}
 - name: TANDEM_MODEL
-  value: {{ default $v.verify.model $v.gateway.model | quote }}
+  value: {{ include "tandem.targetModel" .root | quote }}
 {{- if eq $v.gateway.workerDiscovery "static" }}
 - name: TANDEM_VERIFY_WORKERS
   value: {{ printf "%s:%d" (include "tandem.componentName" (dict "root" .root "component" "verify")) (int $v.verify.port) | quote }}
@@ -167,6 +188,10 @@ verify: {module: verify_worker}
 {{- else if not (or $v.redis.enabled $v.redis.external.url $v.redis.external.existingSecret) }}
 {{- fail "gateway.workerDiscovery=redis needs a Redis: redis.enabled or redis.external" }}
 {{- end }}
+- name: TANDEM_MAX_MIGRATIONS
+  value: {{ $v.gateway.maxMigrations | quote }}
+- name: TANDEM_SESSION_TTL_SECONDS
+  value: {{ $v.gateway.sessionTtlSeconds | quote }}
 - name: TANDEM_DEFAULT_DRAFT_METHOD
   value: {{ $v.gateway.defaultDraftMethod | quote }}
 - name: TANDEM_DEFAULT_SPECULATIVE_TOKENS
@@ -178,20 +203,30 @@ verify: {module: verify_worker}
 - name: TANDEM_MAX_NEW_TOKENS
   value: {{ $v.gateway.maxNewTokens | quote }}
 {{- else }}
+# the registry entry: the gateway dials this pod directly, not the pool's Service
 - name: TANDEM_ADVERTISE_ADDRESS
   value: {{ printf "$(POD_IP):%d" (int .pool.port) | quote }}
+- name: TANDEM_HEARTBEAT_SECONDS
+  value: {{ $v.heartbeatSeconds | quote }}
 - name: TANDEM_MODEL
   value: {{ .pool.model | quote }}
 - name: TANDEM_DEVICE
   value: {{ include "tandem.device" . | quote }}
+- name: TANDEM_DTYPE
+  value: {{ include "tandem.dtype" . | quote }}
+- name: TANDEM_CALIBRATE
+  value: {{ .pool.calibrate | quote }}
 - name: TANDEM_THREADS
   value: {{ .pool.threads | quote }}
 {{- if eq .component "verify" }}
 - name: TANDEM_MAX_PROPOSAL
   value: {{ .pool.maxProposal | quote }}
+- name: TANDEM_KV_BUDGET_TOKENS
+  value: {{ .pool.kvBudgetTokens | int64 | quote }}
 {{- else }}
+# the name it registers under: without it the gateway would use this pod for n-gram drafting only
 - name: TANDEM_TARGET_MODEL
-  value: {{ .pool.targetModel | quote }}
+  value: {{ include "tandem.targetModel" .root | quote }}
 - name: TANDEM_NGRAM_MAX
   value: {{ .pool.ngramMax | quote }}
 {{- end }}

@@ -1,0 +1,79 @@
+"""Model loading options and the padded forward pass keep the model's outputs."""
+
+import pytest
+import torch
+
+from draft_worker.drafters import ModelDrafter
+from draft_worker.local import reference, speculate
+from tandem.modeling import CausalLM, SessionCache
+from tandem.sampling import SamplingParams
+from verify_worker.engine import VerifyEngine
+
+
+def test_padded_forward_keeps_logits_and_cache(tiny_pair):
+    plain, padded = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]))
+    padded.padded_length = {1: 4, 2: 8, 3: 4}
+    a, b = SessionCache(), SessionCache()
+    full = []
+    for feed in ([5, 6, 7], [8], [9, 10], [11]):
+        la, lb = plain.forward(feed, a), padded.forward(feed, b)
+        full.append(la)
+        assert lb.shape == la.shape == (len(feed), plain.vocab_size)
+        assert torch.allclose(la, lb, atol=1e-4), feed
+        assert b.length == a.length
+        assert b.kv.get_seq_length() == a.kv.get_seq_length() == a.length
+    c = SessionCache()
+    for i, feed in enumerate(([5, 6, 7], [8], [9, 10])):      # only the last row, padded or not
+        tail = padded.forward(feed, c, last=1)
+        assert tail.shape == (1, plain.vocab_size)
+        assert torch.allclose(tail, full[i][-1:], atol=1e-4)
+    assert c.length == a.length - 1
+
+
+def test_calibrate_only_pads_to_longer_lengths(tiny_pair):
+    model = CausalLM(str(tiny_pair[0]))
+    model.calibrate(6, repeats=1)
+    assert all(n < m <= 6 for n, m in model.padded_length.items())
+
+
+def test_padding_everywhere_keeps_greedy_output(tiny_pair, tiny_models):
+    target, draft = tiny_models
+    padded = CausalLM(str(tiny_pair[0]))
+    padded.padded_length = {n: n + 3 for n in range(1, 10)}
+    params = SamplingParams(max_new_tokens=30)
+    prompt = [3, 17, 42, 9]
+    out, drafted, _ = speculate(VerifyEngine(padded), ModelDrafter(draft), prompt, params, 4)
+    assert drafted > 0
+    assert out == reference(target, prompt, params)
+
+
+def test_int8_draft_is_lossless(tiny_pair, tiny_models):
+    target = tiny_models[0]
+    draft = CausalLM(str(tiny_pair[1]), dtype="int8")
+    assert any("quantized" in type(m).__module__ for m in draft.model.modules())
+    params = SamplingParams(max_new_tokens=30)
+    for prompt in ([3, 17, 42, 9], [100, 101, 7]):
+        out, drafted, accepted = speculate(VerifyEngine(target), ModelDrafter(draft), prompt, params, 4)
+        assert out == reference(target, prompt, params)
+        assert drafted > 0
+
+
+def test_confidence_stops_a_proposal_early(tiny_models):
+    target, draft = tiny_models
+    params = SamplingParams(max_new_tokens=30)
+    prompt = [3, 17, 42, 9]
+    eager = ModelDrafter(draft, confidence=0.0).start(params, target.eos_ids, len(prompt))
+    wary = ModelDrafter(draft, confidence=1.01).start(params, target.eos_ids, len(prompt))
+    assert len(eager.propose(prompt, 6).tokens) == 6
+    assert len(wary.propose(prompt, 6).tokens) == 1          # no token is certain enough to go on
+    out, _, _ = speculate(VerifyEngine(target), ModelDrafter(draft, confidence=0.5), prompt, params, 6)
+    assert out == reference(target, prompt, params)
+
+
+@pytest.mark.parametrize("dtype, device, message", [
+    ("int4", "cpu", "dtype must be one of"),
+    ("int8", "cuda", "CPU only"),
+])
+def test_bad_dtype_is_refused(tiny_pair, dtype, device, message):
+    with pytest.raises(ValueError, match=message):
+        CausalLM(str(tiny_pair[1]), device=device, dtype=dtype)
