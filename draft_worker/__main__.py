@@ -12,7 +12,7 @@ from draft_worker.service import DraftServicer
 from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM, vocab_mismatch
 from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, Service, setup_logging
+from tandem.server import InferenceThread, Service, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("draft_worker")
@@ -20,7 +20,7 @@ log = logging.getLogger("draft_worker")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="draft_worker", description=__doc__)
-    add_common_flags(parser, default_port=50053)
+    add_common_flags(parser, default_port=50053, default_metrics_port=9092)
     add_model_flags(parser, default_model="qwen2.5-coder-0.5b-instruct", default_dtype="int8")
     add_flag(parser, "--target-model", default="",
              help="the target this draft serves; when set, a vocabulary mismatch refuses start-up")
@@ -49,7 +49,8 @@ async def main(args: argparse.Namespace) -> None:
             model.calibrate(4, last=1)     # a round feeds 1 or 2 tokens; prompts are long enough not to matter
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
-    service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
+                      metrics_host=args.host, metrics_port=args.metrics_port)
     inference = InferenceThread("draft")
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
@@ -71,5 +72,5 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_logging(args.log_level)
+    setup_observability("draft_worker", args)
     asyncio.run(main(args))

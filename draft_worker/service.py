@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
 from draft_worker.controller import controller_for
 from draft_worker.drafters import Draft, Drafter
-from tandem import wire
-from tandem.server import CHANNEL_OPTIONS, InferenceThread
+from tandem import logs, metrics, telemetry, wire
+from tandem.server import InferenceThread
+from tandem.server import channel as traced_channel
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 
@@ -40,11 +42,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.inference = inference
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.sessions: dict[int, object] = {}     # drafter state by stream, while the stream lives
+        metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
+        metrics.declare_methods(drafters)
 
     def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = traced_channel(address)
         return pb_grpc.VerifyServiceStub(channel)
 
     async def close(self) -> None:
@@ -59,9 +63,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                                 f"(serves: {', '.join(sorted(self.drafters))})")
         if not request.verify_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "verify_address is required")
+        logs.session_id.set(request.session_id)
         params = wire.params_from_proto(request.sampling)
         prompt = list(request.prompt_ids)
-        call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining())
+        call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining(),
+                                                                metadata=logs.outgoing_metadata())
         state = pending = None
         try:
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
@@ -84,14 +90,21 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
                 return control.choose(k) if control is not None else k
 
-            pending = asyncio.ensure_future(self.inference.run(state.propose, tokens, next_k()))
+            pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
+            rounds = drafted = accepted = 0
             while True:
-                draft: Draft = await pending
-                proposal = pb.Proposal(token_ids=draft.tokens)
-                if draft.support is not None:
-                    proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
-                await call.write(pb.VerifyRequest(proposal=proposal))
-                verdict = (await self._read(call, context)).verdict
+                draft, propose_s = await pending
+                with telemetry.span("speculation round") as span:
+                    verdict, rtt_s = await self._verify_round(call, context, draft)
+                    if span is not None:
+                        span.set_attributes(telemetry.round_attributes(
+                            len(draft.tokens), verdict.accepted, verdict.token_ids, verdict.batch_size,
+                            verdict.verify_seconds, rtt_s))
+                        span.set_attribute("tandem.propose_seconds", propose_s)
+                metrics.PROPOSE.observe(propose_s)
+                metrics.ROUND_TRIP.observe(rtt_s)
+                metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
+                rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
                 if control is not None:
                     control.observe(len(draft.tokens), verdict.accepted)
                 tokens.extend(verdict.token_ids)
@@ -103,9 +116,15 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     yield chunk
                     break
                 # The next proposal is drafted while this chunk travels to the gateway.
-                pending = asyncio.ensure_future(self.inference.run(state.propose, tokens, next_k()))
+                pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
                 yield chunk
+            log.info("speculation finished", extra={"fields": {
+                "method": drafter.name, "rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
+                "generated_tokens": len(tokens) - len(prompt), "verify_worker": request.verify_address}})
             await call.done_writing()
+            # Read the stream to its end so the call (and its client span) closes now, not at GC.
+            while await call.read() is not grpc.aio.EOF:
+                pass
         except grpc.aio.AioRpcError as e:
             # Marked, so the gateway moves the session off that verify worker, not off this one.
             await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}",
@@ -123,6 +142,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 pending.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
+
+    async def _verify_round(self, call, context, draft: Draft) -> tuple[pb.Verdict, float]:
+        """Sends one proposal and reads its verdict: (verdict, round-trip seconds)."""
+        proposal = pb.Proposal(token_ids=draft.tokens)
+        if draft.support is not None:
+            proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
+        sent = time.perf_counter()
+        await call.write(pb.VerifyRequest(proposal=proposal))
+        verdict = (await self._read(call, context)).verdict
+        return verdict, time.perf_counter() - sent
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         kv = sum(s.cache.nbytes() for s in self.sessions.values() if hasattr(s, "cache"))

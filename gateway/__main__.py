@@ -18,7 +18,7 @@ from tandem.config import add_common_flags, add_flag, add_redis_flag, checked_re
 from tandem.modeling import context_length, load_tokenizer, resolve
 from tandem.redis_conn import connect, redacted
 from tandem.registry import Registry
-from tandem.server import Service, setup_logging
+from tandem.server import Service, setup_observability
 from tandem.sessions import SessionStore
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -27,7 +27,7 @@ log = logging.getLogger("gateway")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    add_common_flags(parser, default_port=50051)
+    add_common_flags(parser, default_port=50051, default_metrics_port=9090)
     add_flag(parser, "--model", default="qwen2.5-coder-1.5b-instruct",
              help="the target model (its tokenizer and context length are used here)")
     add_redis_flag(parser)
@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--max-speculative-tokens", default=16, type=int, help="largest k a request may ask for")
     add_flag(parser, "--default-max-new-tokens", default=128, type=int, help="when a request leaves it 0")
     add_flag(parser, "--max-new-tokens", default=2048, type=int, help="largest max_new_tokens accepted")
+    add_flag(parser, "--trace-content", default=False, type=bool,
+             help="record prompt and completion text on the request span (off: they may be private)")
     return parser.parse_args(argv)
 
 
@@ -61,7 +63,7 @@ def build_core(args: argparse.Namespace) -> GenerationCore:
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
     return GenerationCore(load_tokenizer(args.model), args.model, context_length(config), router,
-                          conversations, max_migrations=args.max_migrations)
+                          conversations, max_migrations=args.max_migrations, trace_content=args.trace_content)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -72,7 +74,7 @@ async def main(args: argparse.Namespace) -> None:
     core = build_core(args)
     names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
              "fmaas.GenerationService"]
-    service = Service(names)
+    service = Service(names, entry=True, metrics_host=args.host, metrics_port=args.metrics_port)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), service.server)
     add_tgis_service(service.server, core, limits)
     port = service.listen(args.host, args.port)
@@ -83,5 +85,5 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_logging(args.log_level)
+    setup_observability("gateway", args)
     asyncio.run(main(args))

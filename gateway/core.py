@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,7 +15,7 @@ from gateway.conversation import Conversations, SessionBusy, SessionUnavailable,
 from gateway.request import GenRequest, InvalidRequest
 from gateway.routing import Route, Router, RoutingError
 from gateway.text import IncrementalDetokenizer, StopMatcher
-from tandem import wire
+from tandem import logs, metrics, telemetry, wire
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 
@@ -68,13 +69,20 @@ class Final:
 
 class GenerationCore:
     def __init__(self, tokenizer, model_name: str, max_context: int, router: Router,
-                 conversations: Conversations | None = None, max_migrations: int = 3) -> None:
+                 conversations: Conversations | None = None, max_migrations: int = 3,
+                 trace_content: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
         self.router = router
         self.conversations = conversations or Conversations(None)
         self.max_migrations = max_migrations
+        self.trace_content = trace_content      # prompt and completion text on request spans
+
+    def observer(self, api: str):
+        """A RequestObserver for one generation through the public API `api`."""
+        from gateway.observe import RequestObserver
+        return RequestObserver(api, self.model_name, self.trace_content)
 
     # ---- input ----
 
@@ -122,6 +130,7 @@ class GenerationCore:
         sees every token once (and, under greedy decoding, exactly the uninterrupted output)."""
         self.check_length(req.prompt_ids)
         session_id = req.session_id or uuid.uuid4().hex
+        logs.session_id.set(session_id)
         try:
             turn = await self.conversations.begin(session_id, req.prompt_ids,
                                                   req.continuation_ids or req.prompt_ids, fresh=not req.session_id)
@@ -190,6 +199,9 @@ class _Run:
                                        f"{lost.message}; gave up after {self.usage.migrations} migrations "
                                        f"(the limit per request)") from None
                 self.usage.migrations += 1
+                metrics.MIGRATIONS.inc()
+                telemetry.event("migration", {"tandem.failed_worker": lost.address,
+                                              "tandem.delivered_tokens": len(self.delivered)})
                 log.warning("session %s: %s; moving it after %d delivered tokens (migration %d)",
                             self.turn.session_id, lost.message, len(self.delivered), self.usage.migrations)
             finally:
@@ -213,14 +225,14 @@ class _Run:
             address = route.verify
             call = ipb_grpc.VerifyServiceStub(channel(route.verify)).Decode(
                 ipb.DecodeRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling),
-                timeout=timeout)
+                timeout=timeout, metadata=logs.outgoing_metadata())
         else:
             address = route.draft
             call = ipb_grpc.DraftServiceStub(channel(route.draft)).Generate(
                 ipb.DraftGenerateRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling,
                                          method=route.method, num_speculative_tokens=req.k,
                                          verify_address=route.verify),
-                timeout=timeout)
+                timeout=timeout, metadata=logs.outgoing_metadata())
         try:
             async for chunk in call:
                 if not self.delivered:
@@ -230,6 +242,8 @@ class _Run:
                     yield delta
                 await self.core.conversations.keepalive(self.turn)
                 if self.finish:
+                    if chunk.stop_reason and telemetry.enabled():
+                        await _drain(call)
                     return
         except grpc.aio.AioRpcError as e:
             lost = _lost_worker(e, route)
@@ -261,6 +275,18 @@ class _Run:
             self.finish = _STOP_TO_FINISH[chunk.stop_reason]
             text += self.stops.flush()
         return Delta(text, len(chunk.token_ids)) if text or chunk.token_ids else None
+
+
+async def _drain(call, timeout: float = 1.0) -> None:
+    """Reads a worker stream that has sent its last chunk to its end. Only with tracing on: the
+    call's client span ends when its stream does, and a cancelled call would leave it to the
+    garbage collector. The worker ends the stream right after its last chunk."""
+    try:
+        async with asyncio.timeout(timeout):
+            async for _ in call:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass
 
 
 class _WorkerLost(Exception):

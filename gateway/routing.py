@@ -15,7 +15,8 @@ from redis.exceptions import RedisError
 
 from tandem.redis_conn import redacted
 from tandem.registry import DRAFT, VERIFY, Registry, WorkerInfo
-from tandem.server import CHANNEL_OPTIONS
+from tandem import metrics, telemetry
+from tandem.server import channel as open_channel
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = open_channel(address)
         return ch
 
     def failed(self, address: str) -> None:
@@ -64,6 +65,8 @@ class Router:
         draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
         if method != "none" and draft is None:
             log.warning("no %s draft worker available; decoding with the target alone", method)
+            metrics.FALLBACKS.labels(method).inc()
+            telemetry.event("fallback", {"tandem.draft_method.requested": method, "tandem.verify_worker": verify})
         return Route(verify, draft, method if draft else "none")
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:

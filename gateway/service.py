@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from gateway.core import Delta, Final, GatewayError, GenerationCore
+from gateway.observe import OP_CHAT, OP_TEXT
 from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
                              check_speculation)
 from tandem.v1 import generation_pb2 as pb
@@ -60,9 +61,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _events(self, request, context):
         try:
-            req = self.to_request(request)
-            async for event in self.core.stream(req, context.time_remaining()):
-                yield event
+            with self.core.observer("tandem") as obs:
+                req = self.to_request(request)
+                if request.WhichOneof("input") == "chat":
+                    obs.begin(req, OP_CHAT, [(x.role, x.content) for x in request.chat.messages])
+                else:
+                    obs.begin(req, OP_TEXT, [("user", request.prompt)])
+                async for event in self.core.stream(req, context.time_remaining()):
+                    obs.saw(event)
+                    yield event
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except GatewayError as e:

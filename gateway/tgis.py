@@ -18,6 +18,7 @@ import grpc
 from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
 from gateway.core import Delta, Final, GatewayError, GenerationCore, Usage
+from gateway.observe import OP_TEXT
 from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
                              check_speculation)
 
@@ -163,12 +164,15 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
     async def _generate_one(self, job: _Job, context: grpc.aio.ServicerContext) -> pb.GenerationResponse:
         parts = [job.text] if job.echo_input else []
         count, final = 0, None
-        async for event in self._events(job, context):     # run to the end: the stream closes itself
-            if isinstance(event, Delta):
-                parts.append(event.text)
-                count += event.token_count
-            else:
-                final = event
+        with self.core.observer("tgis") as obs:
+            obs.begin(job.req, OP_TEXT, [("user", job.text)])
+            async for event in self._events(job, context):     # run to the end: the stream closes itself
+                obs.saw(event)
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                    count += event.token_count
+                else:
+                    final = event
         if final is None:
             raise GatewayError(grpc.StatusCode.INTERNAL, "generation ended without a final event")
         return pb.GenerationResponse(text="".join(parts), generated_token_count=count,
@@ -179,18 +183,19 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.BatchedGenerationRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
         try:
-            self._check_model(request.model_id)
-            self._check_unsupported(request)
-            if not request.requests:
-                raise InvalidRequest("requests must not be empty")
-            method, k, session_id = self._speculation(context, len(request.requests))
-            # Validate every prompt before starting any: a bad one fails the batch at no cost.
-            jobs = []
-            for i, r in enumerate(request.requests):
-                try:
-                    jobs.append(self._job(r.text, request.params, method, k, session_id))
-                except InvalidRequest as e:
-                    raise InvalidRequest(f"requests[{i}]: {e}") from None
+            with self.core.observer("tgis"):      # counts the batch once if it is refused; jobs count themselves
+                self._check_model(request.model_id)
+                self._check_unsupported(request)
+                if not request.requests:
+                    raise InvalidRequest("requests must not be empty")
+                method, k, session_id = self._speculation(context, len(request.requests))
+                # Validate every prompt before starting any: a bad one fails the batch at no cost.
+                jobs = []
+                for i, r in enumerate(request.requests):
+                    try:
+                        jobs.append(self._job(r.text, request.params, method, k, session_id))
+                    except InvalidRequest as e:
+                        raise InvalidRequest(f"requests[{i}]: {e}") from None
             tasks = [asyncio.ensure_future(self._generate_one(j, context)) for j in jobs]
             try:
                 responses = await asyncio.gather(*tasks)
@@ -206,25 +211,28 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
     async def GenerateStream(self, request: pb.SingleGenerationRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerationResponse]:
         try:
-            self._check_model(request.model_id)
-            self._check_unsupported(request)
-            method, k, session_id = self._speculation(context, 1)
-            job = self._job(request.request.text, request.params, method, k, session_id)
-            # TGIS sends the input details first, before any generated text.
-            yield pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
-                                        text=job.text if job.echo_input else "", seed=job.seed)
-            count = 0
-            async for event in self._events(job, context):
-                if isinstance(event, Delta):
-                    if event.text or event.token_count:
-                        count += event.token_count
-                        yield pb.GenerationResponse(text=event.text, generated_token_count=count)
-                else:
-                    # A message of its own: holding each delta back until the next one shows whether
-                    # it is the last would delay every chunk by one verify round.
-                    yield pb.GenerationResponse(generated_token_count=count,
-                                                stop_reason=_STOP_REASON[event.finish_reason],
-                                                stop_sequence=event.stop_sequence, seed=job.seed)
+            with self.core.observer("tgis") as obs:
+                self._check_model(request.model_id)
+                self._check_unsupported(request)
+                method, k, session_id = self._speculation(context, 1)
+                job = self._job(request.request.text, request.params, method, k, session_id)
+                obs.begin(job.req, OP_TEXT, [("user", job.text)])
+                # TGIS sends the input details first, before any generated text.
+                yield pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
+                                            text=job.text if job.echo_input else "", seed=job.seed)
+                count = 0
+                async for event in self._events(job, context):
+                    obs.saw(event)
+                    if isinstance(event, Delta):
+                        if event.text or event.token_count:
+                            count += event.token_count
+                            yield pb.GenerationResponse(text=event.text, generated_token_count=count)
+                    else:
+                        # A message of its own: holding each delta back until the next one shows whether
+                        # it is the last would delay every chunk by one verify round.
+                        yield pb.GenerationResponse(generated_token_count=count,
+                                                    stop_reason=_STOP_REASON[event.finish_reason],
+                                                    stop_sequence=event.stop_sequence, seed=job.seed)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except GatewayError as e:

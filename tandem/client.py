@@ -30,12 +30,15 @@ def build_request(prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
     return req
 
 
-def run(address: str, prompt: str, timeout: float = 600, out=sys.stdout, **kwargs) -> pb.GenerateStreamResponse:
-    """Streams one generation to `out`; returns the final message (finish reason and usage)."""
+def run(address: str, prompt: str, timeout: float = 600, out=sys.stdout, request_id: str = "",
+        **kwargs) -> pb.GenerateStreamResponse:
+    """Streams one generation to `out`; returns the final message (finish reason and usage).
+    request_id: sent as x-request-id, which the services' log lines and the trace carry."""
+    metadata = (("x-request-id", request_id),) if request_id else None
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         last = None
-        for msg in stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout):
+        for msg in stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout, metadata=metadata):
             out.write(msg.text)
             out.flush()
             last = msg
@@ -61,11 +64,12 @@ def main(argv=None) -> None:
     p.add_argument("-k", type=int, default=0, help="speculative tokens per round")
     p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--request-id", default="", help="x-request-id to send (the gateway makes one up otherwise)")
     a = p.parse_args(argv)
     try:
         run(a.address, a.prompt, timeout=a.timeout, chat=a.chat, max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, method=a.method,
-            k=a.k, stop=a.stop)
+            k=a.k, stop=a.stop, request_id=a.request_id)
     except grpc.RpcError as e:
         raise SystemExit(f"error: {e.code().name}: {e.details()}")
 

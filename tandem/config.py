@@ -26,10 +26,13 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any, type: 
         parser.add_argument(flag, default=value, type=type, help=f"{help} [env {env}, default {default}]")
 
 
-def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", default=default_port, type=int, help="gRPC port")
+    add_flag(parser, "--metrics-port", default=default_metrics_port, type=int,
+             help="Prometheus /metrics HTTP port on --host (0 = off)")
     add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_flag(parser, "--log-format", default="json", help="json (one object per line) or text")
     add_flag(parser, "--grace-seconds", default=10.0, type=float,
              help="how long in-flight streams may finish after SIGTERM")
 

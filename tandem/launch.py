@@ -56,18 +56,32 @@ class Stack:
     verify_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
     heartbeat_seconds: float = 2.0
+    log_dir: str = ""                # when set, each process's log goes to <log_dir>/<name>.log
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)     # each process's /metrics port
     _redis: RedisServer | None = None
 
     def address(self, name: str) -> str:
         return f"{self.host}:{self.ports[name]}"
 
+    def metrics_url(self, name: str) -> str:
+        return f"http://{self.host}:{self.metrics_ports[name]}/metrics"
+
     def _spawn(self, name: str, args: list[str], port: int) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.extra_env}
         self.ports[name] = port
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", name.split("-")[0], "--host", self.host,
-                                             "--port", str(port), "--redis-url", self.redis_url, *args], env=env)
+        # A free port per process: the services' fixed defaults would collide on one machine.
+        self.metrics_ports[name] = free_port()
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
+        try:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", name.split("-")[0], "--host", self.host, "--port", str(port),
+                 "--metrics-port", str(self.metrics_ports[name]), "--redis-url", self.redis_url, *args],
+                env=env, stderr=log)
+        finally:
+            if log is not None:
+                log.close()          # the child holds its own copy
 
     def _name(self, kind: str) -> str:
         n = 1
@@ -154,7 +168,8 @@ def main(argv=None) -> None:
     stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port)
     stack.start()
     print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
-          f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})", flush=True)
+          f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})\n"
+          f"metrics: {', '.join(f'{n} {stack.metrics_url(n)}' for n in stack.procs)}", flush=True)
     try:
         if args.demo:
             from tandem import client

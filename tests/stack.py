@@ -24,6 +24,7 @@ from gateway.request import Limits
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
 from tandem.modeling import CausalLM
+from tandem import logs, metrics, telemetry
 from tandem.server import CHANNEL_OPTIONS, InferenceThread
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
@@ -75,8 +76,10 @@ async def wait_until_idle(stack: InProcessStack, timeout: float = 5.0) -> tuple[
         await asyncio.sleep(0.05)
 
 
-async def _serve(add) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+async def _serve(add, entry: bool = False) -> tuple[grpc.aio.Server, str]:
+    # The services' own interceptors: tracing (when a test turned it on) and request ids.
+    interceptors = [*telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
     add(server)
     port = server.add_insecure_port("127.0.0.1:0")     # 0: the OS picks a free port
     await server.start()
@@ -85,6 +88,7 @@ async def _serve(add) -> tuple[grpc.aio.Server, str]:
 
 async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None) -> InProcessStack:
     limits = limits or Limits()
+    metrics.register(*metrics.SERVICES)       # all three services share this process's registry
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
     v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
     verify = VerifyServicer(VerifyEngine(target_model), v_thread)
@@ -100,7 +104,7 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
         tandem_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), server)
         add_tgis_service(server, core, limits)
 
-    g_server, g_addr = await _serve(add_gateway)
+    g_server, g_addr = await _serve(add_gateway, entry=True)
     return InProcessStack(g_addr, v_addr, d_addr, core, limits, verify, draft_servicer,
                           grpc.aio.insecure_channel(g_addr, options=CHANNEL_OPTIONS),
                           [g_server, d_server, v_server], [v_thread, d_thread])

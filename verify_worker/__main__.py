@@ -10,7 +10,7 @@ import time
 from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM
 from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, Service, setup_logging
+from tandem.server import InferenceThread, Service, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
 from verify_worker.kvstore import SessionKeeper
@@ -21,7 +21,7 @@ log = logging.getLogger("verify_worker")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="verify_worker", description=__doc__)
-    add_common_flags(parser, default_port=50052)
+    add_common_flags(parser, default_port=50052, default_metrics_port=9091)
     add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
     add_flag(parser, "--kv-budget-tokens", default=32768, type=int,
@@ -39,7 +39,8 @@ async def main(args: argparse.Namespace) -> None:
     if args.calibrate:
         model.calibrate(args.max_proposal + 1)
     engine = VerifyEngine(model, max_proposal=args.max_proposal)
-    service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name])
+    service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name],
+                      metrics_host=args.host, metrics_port=args.metrics_port)
     inference = InferenceThread("verify")
     servicer = VerifyServicer(engine, inference, SessionKeeper(args.kv_budget_tokens))
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
@@ -58,5 +59,5 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     args = parse_args()
-    setup_logging(args.log_level)
+    setup_observability("verify_worker", args)
     asyncio.run(main(args))

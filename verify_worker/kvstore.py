@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from tandem import metrics, telemetry
 from verify_worker.engine import TargetSession
 
 
@@ -42,8 +43,10 @@ class SessionKeeper:
                                    f"{self.budget} tokens; the request needs {need}")
         reuse = self.idle.pop(session_id, None) if session_id else None
         while self.budget and self.idle and reserved + need + self._idle_tokens() > self.budget:
-            self.idle.popitem(last=False)
+            evicted, session = self.idle.popitem(last=False)
             self.evictions += 1
+            metrics.EVICTIONS.inc()
+            telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
         self.live[stream] = need
         return reuse
 

@@ -6,10 +6,11 @@ import logging
 
 import grpc
 
-from tandem import wire
+from tandem import logs, metrics, telemetry, wire
 from tandem.server import InferenceThread
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
+from tandem.telemetry import round_attributes
 from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine, common_prefix
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 
@@ -23,10 +24,26 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.inference = inference
         self.keeper = keeper or SessionKeeper(0)
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
+        self._export_gauges()
+
+    def _export_gauges(self) -> None:
+        keeper = self.keeper
+
+        def used() -> int:
+            # Read on the metrics server's thread while the event loop changes the dicts: copy
+            # them in one step (list() of a dict view holds the GIL) before summing.
+            return sum(list(keeper.live.values())) + sum(s.cache.length for s in list(keeper.idle.values()))
+
+        metrics.gauge_from(metrics.VERIFY_RUNNING, lambda: len(self.sessions))
+        metrics.gauge_from(metrics.VERIFY_IDLE, lambda: len(keeper.idle))
+        metrics.gauge_from(metrics.KV_USED, used)
+        metrics.gauge_from(metrics.KV_BUDGET, lambda: keeper.budget)
+        metrics.gauge_from(metrics.KV_USAGE, lambda: used() / keeper.budget if keeper.budget else 0.0)
 
     async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
         tokens whose KV came from its kept earlier turn."""
+        logs.session_id.set(session_id)
         params = wire.params_from_proto(sampling)
         need = min(len(prompt_ids) + params.max_new_tokens, self.engine.model.max_context)
         try:
@@ -36,14 +53,26 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         cached = 0
         if reuse is not None:
             cached = min(common_prefix(reuse.tokens, prompt_ids), reuse.cache.length, len(prompt_ids) - 1)
-        session = await self._call(context, self.engine.open, session_id, prompt_ids, params, reuse)
+        with telemetry.span("prefill", {"tandem.prompt_tokens": len(prompt_ids),
+                                        "tandem.cached_prompt_tokens": cached}) as span:
+            session, seconds = await self._call(context, self.engine.open, session_id, prompt_ids, params, reuse)
+            if span is not None:
+                span.set_attribute("tandem.verify_seconds", seconds)
         self.sessions[id(context)] = session
+        computed = len(prompt_ids) - 1 - cached         # the last prompt token is fed with round 1
+        metrics.PREFILL_TOKENS.labels("computed").inc(max(0, computed))
+        metrics.PREFILL_TOKENS.labels("cached").inc(cached)
         return session, cached
 
     def _close(self, context) -> None:
         session = self.sessions.pop(id(context), None)
         # Only a session that finished is consistent to continue from; a broken one is dropped.
-        self.keeper.release(id(context), session, keep=session is not None and session.stop_reason != STOP_NONE)
+        keep = session is not None and session.stop_reason != STOP_NONE
+        self.keeper.release(id(context), session, keep=keep)
+        if session is not None:
+            log.info("session %s", "finished" if keep else "dropped", extra={"fields": {
+                "prompt_tokens": session.prompt_len, "generated_tokens": session.generated,
+                "stop_reason": session.stop_reason, "kept_for_next_turn": keep}})
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         session = None
@@ -72,9 +101,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     if session.params.greedy:
                         q = None     # greedy verification needs no draft distributions
-                    verdict = await self._call(context, self.engine.verify, session, tokens, q)
+                    verdict, seconds = await self._call(context, self.engine.verify, session, tokens, q)
+                    metrics.VERIFY_SECONDS.observe(seconds)
+                    # The draft worker's round span records this, next to its round-trip time.
                     yield pb.VerifyResponse(verdict=pb.Verdict(
-                        accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason))
+                        accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
+                        verify_seconds=seconds, batch_size=1))
                     if verdict.stop_reason != STOP_NONE:
                         return
                 else:
@@ -88,7 +120,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                                request.sampling)
             first = True
             while True:
-                verdict = await self._call(context, self.engine.decode, session)
+                with telemetry.span("decode round") as span:
+                    verdict, seconds = await self._call(context, self.engine.decode, session)
+                    if span is not None:
+                        span.set_attributes(round_attributes(0, 0, verdict.token_ids, 1, seconds))
+                metrics.VERIFY_SECONDS.observe(seconds)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                                     cached_tokens=cached if first else 0)
                 first = False
@@ -104,7 +140,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle))
 
     async def _call(self, context, fn, *args):
+        """(fn's result, seconds it ran on the inference thread); a ProtocolError aborts the RPC."""
         try:
-            return await self.inference.run(fn, *args)
+            return await self.inference.run_timed(fn, *args)
         except ProtocolError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

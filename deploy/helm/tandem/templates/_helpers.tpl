@@ -152,6 +152,8 @@ bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker 
 {{- end }}
 {{- include "tandem.redisEnv" .root }}
 {{- if $v.otel.enabled }}
+- name: OTEL_TRACES_EXPORTER
+  value: "otlp"
 - name: OTEL_SERVICE_NAME
   value: {{ printf "tandem-%s" .component | quote }}
 {{- with $v.otel.endpoint }}
