@@ -9,8 +9,6 @@ Prints a table and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.report import machine, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -164,8 +163,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench/results/e2e.json")
     a = p.parse_args(argv)
 
-    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
-                                "python": platform.python_version(), "torch": torch.__version__},
+    result: dict = {"machine": machine(),
                     "overhead": overhead()}
     o = result["overhead"]
     print(f"verify-round overhead (tiny models, k=4): in-band median {o['in_band_ms_median']:.2f} ms "
@@ -228,9 +226,7 @@ def main(argv=None) -> None:
         print(f"decode step: target {steps['target']:.0f} ms, draft {steps['draft']:.0f} ms (float32), "
               f"{steps['draft_int8']:.0f} ms (int8); c = {c:.3f}; bound for the service's acceptance and "
               f"k={a.k}: {summary['model']['bound']:.2f}x")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ history is prefilled again). Prints a table and writes bench/results/multiturn.j
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -22,8 +20,8 @@ import uuid
 from pathlib import Path
 
 import grpc
-import torch
 
+from bench.report import machine, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.redis_conn import RedisServer
@@ -106,9 +104,7 @@ def main(argv=None) -> None:
     result = {
         "target": "tiny" if a.tiny else a.target, "history_tokens": need - len(tok(QUESTION).input_ids)
         - 2 * a.new_tokens, "new_tokens": a.new_tokens, "method": a.method, "kv_budget_tokens": budget,
-        "threads": a.threads, "machine": {"cpu": platform.processor() or platform.machine(),
-                                          "cores": torch.get_num_threads(), "python": platform.python_version(),
-                                          "torch": torch.__version__},
+        "threads": a.threads, "machine": machine(),
         "ttft_s": {case: spread(xs) for case, xs in rows.items()},
         "cached_prompt_tokens": cached,
     }
@@ -122,9 +118,7 @@ def main(argv=None) -> None:
         print(f"| {case} | {s['median'] * 1000:.0f} ms ({s['min'] * 1000:.0f}–{s['max'] * 1000:.0f}) | "
               f"{statistics.median(reused):.0f} |")
     print(f"\nevicted / warm: {e['median'] / w['median']:.1f}x")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ Prints a table and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import threading
@@ -21,8 +19,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import torch
 
+from bench.report import machine, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.redis_conn import RedisServer
@@ -165,8 +163,7 @@ def main(argv=None) -> None:
         summary[name]["cost_vs_off_all"] = 1 - summary[name]["tok_s_total"] / summary["off"]["tok_s_total"]
     cost = summary["on"]["cost_vs_off_median"]
     micro = span_vs_event()
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
-                          "python": platform.python_version(), "torch": torch.__version__},
+    result = {"machine": machine(),
               "setup": {"target": a.target or "tiny seeded", "draft": a.draft or "tiny seeded", "method": a.method,
                         "k": a.k, "max_new_tokens": a.max_new_tokens, "threads_per_process": a.threads,
                         "rounds": a.rounds, "requests_per_round": a.requests, "exporter": "otlp/grpc to a local sink"},
@@ -180,9 +177,7 @@ def main(argv=None) -> None:
     print(f"\nthroughput cost of tracing (median): {cost:.1%}; spans exported per request: "
           f"{result['spans_per_request']:.1f}; verify rounds per request: {summary['on']['rounds_per_request']:.0f}")
     print(f"one round as a span: {micro['span_us']:.1f} us; as an event: {micro['event_us']:.1f} us")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":
