@@ -25,9 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--target-model", default="",
              help="the target this draft serves; when set, a vocabulary mismatch refuses start-up")
     add_flag(parser, "--adaptive-k", default=True, type=bool,
-             help="choose k per round (0 included) from measured costs and the session's acceptance; "
+             help="per round, speculate or decode plainly (k = 0), whichever gives more tokens per second; "
                   "greedy requests only")
-    add_flag(parser, "--confidence", default=0.0, type=float,
+    add_flag(parser, "--confidence", default=0.4, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
     add_worker_flags(parser)
@@ -39,19 +39,24 @@ async def main(args: argparse.Namespace) -> None:
     drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
     eos_ids: list[int] = []
     vocab_size = None
+    inference = InferenceThread("draft")
     if args.model and args.model != "none":
         if args.target_model:
             problem = vocab_mismatch(args.target_model, args.model)
             if problem:
                 raise SystemExit(f"refusing to start: {problem}")
-        model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
-        if args.calibrate:
-            model.calibrate(4, last=1)     # a round feeds 1 or 2 tokens; prompts are long enough not to matter
+
+        def load() -> CausalLM:
+            model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+            if args.calibrate:
+                model.calibrate(4, last=1)  # a round feeds 1 or 2 tokens; prompts are long enough not to matter
+            return model
+
+        model = await inference.run(load)
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
                       metrics_host=args.host, metrics_port=args.metrics_port)
-    inference = InferenceThread("draft")
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)

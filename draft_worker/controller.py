@@ -1,59 +1,67 @@
-"""Chooses how many tokens to propose each round, k = 0 (plain decoding) included.
+"""Decides each round whether to speculate (propose the requested k) or decode plainly (k = 0).
 
-A round that proposes k tokens gains, in expectation, (1 - a^(k+1)) / (1 - a) tokens when each
-proposed token is accepted with probability a (Leviathan et al. 2023), and costs k draft steps plus
-one verify pass over k+1 positions. The controller picks the k that maximizes tokens per
-millisecond from the verify worker's measured cost curve, the draft's step time, and this
-session's acceptance so far. Speculation that does not pay (a weak n-gram match, a draft that keeps
-missing) falls back to k = 0 instead of making the request slower than plain decoding.
+The goal is goodput: tokens per second of wall time, not acceptance. Each round is timed where it
+is paid for, on the draft worker: drafting plus the verify round trip. The controller keeps a
+decaying rate for speculative rounds and one for plain rounds (seeded from the verify worker's
+measured one-position forward pass) and speculates while that pays. When it stops paying (a weak
+n-gram match, a draft that keeps missing) it decodes plainly for a while, then tries one
+speculative round again, waiting twice as long after each try that still loses.
 
-The acceptance estimate is a decaying count of accepted and rejected proposed tokens plus a prior,
-so after a run of k = 0 rounds it drifts back toward the prior and speculation is tried again.
+How long a proposal runs is left to the drafter: the model drafter stops after a token it is
+unsure of (`--confidence`), which follows the text far better than a k chosen in advance. An
+earlier controller chose k from a per-token acceptance rate and the verify cost curve; on code,
+where acceptance comes in long runs, it proposed too little and lost 15% against a fixed k.
 """
 
 from __future__ import annotations
 
 
-class SpeculationController:
-    def __init__(self, verify_ms: list[float], draft_ms: float, prior: float = 0.7,
-                 prior_weight: float = 2.0, decay: float = 0.9) -> None:
-        """verify_ms[i]: one verify pass over i+1 positions; draft_ms: one draft step."""
-        self.verify_ms = verify_ms
-        self.draft_ms = draft_ms
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
-        self.accepted = 0.0          # decayed count of proposed tokens accepted
-        self.rejected = 0.0          # decayed count of rejections (at most one per round)
+class _Rate:
+    """Tokens per second over recent rounds, older rounds weighing less."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.tokens, self.seconds = decay, 0.0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.seconds = self.seconds * self.decay + seconds
 
     @property
-    def acceptance(self) -> float:
-        return ((self.accepted + self.prior * self.prior_weight)
-                / (self.accepted + self.rejected + self.prior_weight))
-
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a round of k proposed tokens gains on average, the bonus token included."""
-        a = min(self.acceptance, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    def cost_ms(self, k: int) -> float:
-        return k * self.draft_ms + self.verify_ms[k]
-
-    def choose(self, k_max: int) -> int:
-        """The best k in 0..k_max (as far as the cost curve reaches)."""
-        k_max = min(k_max, len(self.verify_ms) - 1)
-        if k_max <= 0:
-            return max(0, k_max)
-        return max(range(k_max + 1), key=lambda k: self.expected_tokens(k) / self.cost_ms(k))
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        self.accepted *= self.decay
-        self.rejected *= self.decay
-        if proposed:
-            self.accepted += accepted
-            self.rejected += accepted < proposed
+    def value(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
 
-def controller_for(verify_ms: list[float], draft_ms: float | None) -> SpeculationController | None:
-    """None (always propose the requested k) when either worker did not measure its costs."""
-    if not verify_ms or draft_ms is None:
+class SpeculationController:
+    def __init__(self, plain_ms: float, decay: float = 0.8, backoff: int = 4, max_backoff: int = 64) -> None:
+        """plain_ms: one plain decode round as the verify worker measured it (the prior for plain)."""
+        self.speculative, self.plain = _Rate(decay), _Rate(decay)
+        self.plain.add(1, plain_ms / 1000)
+        self.min_backoff, self.max_backoff = backoff, max_backoff
+        self.backoff = backoff
+        self.plain_rounds_left = 0
+
+    def choose(self, k: int) -> int:
+        """k, or 0 while plain decoding is the faster of the two."""
+        if k <= 0 or self.plain_rounds_left > 0:
+            self.plain_rounds_left = max(0, self.plain_rounds_left - 1)
+            return 0
+        return k
+
+    def observe(self, proposed: int, tokens: int, seconds: float) -> None:
+        """One finished round: tokens it produced (accepted + the target's own), seconds it took."""
+        if proposed == 0:
+            self.plain.add(tokens, seconds)
+            return
+        self.speculative.add(tokens, seconds)
+        if self.speculative.value < self.plain.value:
+            self.plain_rounds_left = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+        else:
+            self.backoff = self.min_backoff
+
+
+def controller_for(verify_ms: list[float]) -> SpeculationController | None:
+    """None (always propose the requested k) when the verify worker did not measure its costs."""
+    if not verify_ms:
         return None
-    return SpeculationController(list(verify_ms), draft_ms)
+    return SpeculationController(verify_ms[0])

@@ -36,7 +36,6 @@ class DraftState(Protocol):
 
 class Drafter(Protocol):
     name: str
-    def step_ms(self) -> float | None: ...    # one proposed token's cost; None when not measured
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState: ...
 
 
@@ -52,9 +51,6 @@ class ModelDrafter:
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
         return _ModelDraftState(self.model, params, eos_ids, prompt_len, self.confidence)
-
-    def step_ms(self) -> float | None:
-        return self.model.forward_ms[0] if self.model.forward_ms else None
 
 
 class _ModelDraftState:
@@ -111,9 +107,6 @@ class NgramDrafter:
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
         return self
-
-    def step_ms(self) -> float | None:
-        return 0.0
 
     def propose(self, context: list[int], k: int) -> Draft:
         if k <= 0:

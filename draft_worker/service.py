@@ -83,7 +83,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # Greedy only: a sampled request's output must not depend on measured timings, so that
             # its seed reproduces it on any worker.
             adaptive = self.adaptive_k and params.greedy
-            control = controller_for(opened.forward_ms, drafter.step_ms()) if adaptive else None
+            control = controller_for(opened.forward_ms) if adaptive else None
 
             def next_k() -> int:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
@@ -106,7 +106,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
                 rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
                 if control is not None:
-                    control.observe(len(draft.tokens), verdict.accepted)
+                    control.observe(len(draft.tokens), len(verdict.token_ids), propose_s + rtt_s)
                 tokens.extend(verdict.token_ids)
                 chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
                                       accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,

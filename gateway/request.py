@@ -23,7 +23,7 @@ class Limits:
     max_stop_sequences: int = 6
     max_stop_sequence_chars: int = 240
     max_speculative_tokens: int = 16
-    default_speculative_tokens: int = 7
+    default_speculative_tokens: int = 16
     default_draft_method: str = "model"
     max_prompt_chars: int = 1_000_000
 

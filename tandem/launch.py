@@ -69,7 +69,7 @@ class Stack:
         return f"http://{self.host}:{self.metrics_ports[name]}/metrics"
 
     def _spawn(self, name: str, args: list[str], port: int) -> None:
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.extra_env}
+        env = {**os.environ, **self.extra_env}
         self.ports[name] = port
         # A free port per process: the services' fixed defaults would collide on one machine.
         self.metrics_ports[name] = free_port()

@@ -35,13 +35,17 @@ async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
     if args.kv_budget_tokens < 0:
         raise SystemExit(f"--kv-budget-tokens must be >= 0 (0 = unbounded), got {args.kv_budget_tokens}")
-    model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
-    if args.calibrate:
-        model.calibrate(args.max_proposal + 1)
-    engine = VerifyEngine(model, max_proposal=args.max_proposal)
+    inference = InferenceThread("verify")
+
+    def load() -> CausalLM:
+        model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+        if args.calibrate:
+            model.calibrate(args.max_proposal + 1)
+        return model
+
+    engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name],
                       metrics_host=args.host, metrics_port=args.metrics_port)
-    inference = InferenceThread("verify")
     servicer = VerifyServicer(engine, inference, SessionKeeper(args.kv_budget_tokens))
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)

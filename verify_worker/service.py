@@ -11,7 +11,8 @@ from tandem.server import InferenceThread
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from tandem.telemetry import round_attributes
-from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine, common_prefix
+from verify_worker.engine import (STOP_NONE, ProtocolError, TargetSession, VerdictResult, VerifyEngine,
+                                  common_prefix)
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 
 log = logging.getLogger(__name__)
@@ -93,15 +94,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "proposal before the session was opened")
-                    tokens = list(req.proposal.token_ids)
-                    try:
-                        q = wire.dense_draft_probs(req.proposal.distributions, len(tokens),
-                                                   self.engine.model.vocab_size)
-                    except ValueError as e:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                    if session.params.greedy:
-                        q = None     # greedy verification needs no draft distributions
-                    verdict, seconds = await self._call(context, self.engine.verify, session, tokens, q)
+                    verdict, seconds = await self._call(context, self._verify, session,
+                                                        list(req.proposal.token_ids), req.proposal.distributions)
                     metrics.VERIFY_SECONDS.observe(seconds)
                     # The draft worker's round span records this, next to its round-trip time.
                     yield pb.VerifyResponse(verdict=pb.Verdict(
@@ -138,6 +132,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         return pb.WorkerStatus(model=self.engine.model.name, live_sessions=len(self.sessions),
                                kv_bytes=sum(s.cache.nbytes() for s in self.sessions.values()),
                                idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle))
+
+    def _verify(self, session: TargetSession, tokens: list[int], distributions) -> VerdictResult:
+        """On the inference thread, like every torch op of this process (see InferenceThread)."""
+        try:
+            q = wire.dense_draft_probs(distributions, len(tokens), self.engine.model.vocab_size)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        # greedy verification needs no draft distributions
+        return self.engine.verify(session, tokens, None if session.params.greedy else q)
 
     async def _call(self, context, fn, *args):
         """(fn's result, seconds it ran on the inference thread); a ProtocolError aborts the RPC."""
