@@ -30,7 +30,7 @@ PROMPTS = [
 ]
 
 
-def service_run(stub, tok, prompt: str, method: str, k: int, n: int) -> dict:
+def service_run(stub, prompt: str, method: str, k: int, n: int) -> dict:
     req = build_request(prompt, chat=True, max_new_tokens=n, method=method, k=k)
     start = time.perf_counter()
     r = stub.Generate(req, timeout=1800)
@@ -186,11 +186,11 @@ def main(argv=None) -> None:
         with Stack(a.target, a.draft, threads=a.threads, draft_args=["--dtype", a.draft_dtype]) as stack, \
                  grpc.insecure_channel(stack.address("gateway")) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            service_run(stub, tok, "warm up", "model", a.k, 8)
-            service_run(stub, tok, "warm up", "none", 0, 8)
+            service_run(stub, "warm up", "model", a.k, 8)
+            service_run(stub, "warm up", "none", 0, 8)
             for prompt in PROMPTS[:a.prompts]:
                 for method, k in configs:
-                    runs[method].append(service_run(stub, tok, prompt, method, k, a.max_new_tokens))
+                    runs[method].append(service_run(stub, prompt, method, k, a.max_new_tokens))
                     print(f"  {method:6s} {runs[method][-1]['tok_s']:.2f} tok/s", flush=True)
         # The service's processes are stopped now, so the in-process runs get the cores to themselves.
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import torch
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__}
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__}
 
 
 def write_json(path: str, result: dict) -> None:

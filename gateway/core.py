@@ -186,7 +186,9 @@ class _Run:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.usage.draft_method = self.route.method
             busy = [self.route.verify, *([self.route.draft] if self.route.draft else [])]
+            reserved = {self.route.verify: self._need()}
             router.inflight.update(busy)
+            router.reserved.update(reserved)
             try:
                 async for delta in self._attempt():
                     yield delta
@@ -206,6 +208,7 @@ class _Run:
                             self.turn.session_id, lost.message, len(self.delivered), self.usage.migrations)
             finally:
                 router.inflight.subtract(busy)
+                router.reserved.subtract(reserved)
 
     def _need(self) -> int:
         """KV positions the verify worker reserves for the rest of this request."""

@@ -38,6 +38,11 @@ class Router:
     def __init__(self, suspect_seconds: float = 10.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: Counter[str] = Counter()      # this gateway's streams per worker
+        # KV positions this gateway's streams reserve per verify worker. A registry entry's free
+        # budget lags by up to a heartbeat; without this, requests sent within one heartbeat would
+        # all see the same free budget and pile onto one worker. Once a heartbeat has counted a
+        # stream it is subtracted twice, which errs toward routing by load.
+        self.reserved: Counter[str] = Counter()
         # A worker that just failed is skipped for a while: its registry entry outlives it until the
         # heartbeat key expires, and a request must not be sent to it again in the meantime.
         self._failed_at: dict[str, float] = {}
@@ -133,7 +138,7 @@ class RedisRouter(Router):
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
         # even before the one holding the session's cache; if none has room, the least loaded one
         # answers for itself (RESOURCE_EXHAUSTED if it is still full).
-        usable = [w for w in usable if not w.capacity or w.kv_free >= need] or usable
+        usable = [w for w in usable if not w.capacity or w.kv_free - self.reserved[w.address] >= need] or usable
         for w in usable:
             if w.address == affinity:
                 return w.address

@@ -167,3 +167,17 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(client):
     assert await router.pick_draft("model", set()) is None
     with pytest.raises(RoutingError, match="no verify worker for model 'none'"):
         await RedisRouter(reg, "none", "redis://test").pick_verify("", set())
+
+
+async def test_router_counts_its_own_reservations_before_the_next_heartbeat(client):
+    from gateway.routing import RedisRouter
+    reg = Registry(client)
+    router = RedisRouter(reg, "m", "redis://test")
+    await reg.register(WorkerInfo("full:1", VERIFY, "m", capacity=300, load=0, kv_free=50), ttl=5)
+    await reg.register(WorkerInfo("room:1", VERIFY, "m", capacity=300, load=0, kv_free=300), ttl=5)
+    assert await router.pick_verify("", set(), need=200) == "room:1"
+    # A first request now holds 200 positions there; the registry still says 300 free. Room is
+    # nowhere for a second one, so it goes by load, and this gateway's stream makes room:1 busier.
+    router.reserved["room:1"] += 200
+    router.inflight["room:1"] += 1
+    assert await router.pick_verify("", set(), need=200) == "full:1"
