@@ -26,9 +26,18 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any, type: 
         parser.add_argument(flag, default=value, type=type, help=f"{help} [env {env}, default {default}]")
 
 
-def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int,
+                     public: bool = False) -> None:
+    """public: the gateway, whose endpoint may have a certificate of its own."""
+    from tandem.server import MAX_MESSAGE_BYTES
+    from tandem.tls import add_tls_flags
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", default=default_port, type=int, help="gRPC port")
+    add_flag(parser, "--health-port", default=0, type=int,
+             help="plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0 = none)")
+    add_flag(parser, "--max-message-bytes", default=MAX_MESSAGE_BYTES, type=int,
+             help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
+    add_tls_flags(parser, public=public)
     add_flag(parser, "--metrics-port", default=default_metrics_port, type=int,
              help="Prometheus /metrics HTTP port on --host (0 = off)")
     add_flag(parser, "--log-level", default="INFO", help="logging level")
@@ -53,8 +62,10 @@ def checked_redis_url(url: str) -> str:
 
 
 def check_worker_flags(args: argparse.Namespace) -> None:
-    """Exits with a clear message on registry flags that cannot work, before any model is loaded."""
+    """Exits with a clear message on registry and TLS flags that cannot work, before any model is loaded."""
+    from tandem.tls import tls_from_args
     checked_redis_url(args.redis_url)
+    tls_from_args(args)
     if not args.heartbeat_seconds > 0:
         raise SystemExit(f"--heartbeat-seconds must be > 0, got {args.heartbeat_seconds}")
 
