@@ -201,3 +201,11 @@ def test_a_service_without_an_explicit_transport_refuses_to_start(args, message)
     out = subprocess.run([sys.executable, "-m", "verify_worker", "--model", "none", *args], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and message in out.stderr
+
+
+def test_command_line_client_speaks_tls_with_a_token(stack, pki):
+    import io
+    from tandem import client
+    last = client.run(stack.address("gateway"), "def f(x):", out=io.StringIO(), ca_file=pki["service"].ca,
+                      server_name=SERVER_NAME, token=TOKEN, max_new_tokens=4)
+    assert 0 < last.usage.generated_tokens <= 4
