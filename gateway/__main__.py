@@ -28,7 +28,10 @@ log = logging.getLogger("gateway")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    add_common_flags(parser, default_port=50051, default_metrics_port=9090, public=True)
+    add_common_flags(parser, default_port=50051, default_metrics_port=9090)
+    add_flag(parser, "--public-tls-cert-file", default="",
+             help="certificate for the public endpoint, when it is not --tls-cert-file")
+    add_flag(parser, "--public-tls-key-file", default="", help="private key of --public-tls-cert-file")
     add_flag(parser, "--model", default="qwen2.5-coder-1.5b-instruct",
              help="the target model (its tokenizer and context length are used here)")
     add_redis_flag(parser)

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.config import add_flag
-
 
 @dataclass(frozen=True)
 class TlsConfig:
@@ -45,21 +43,6 @@ class TlsConfig:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
-
-
-def add_tls_flags(parser: argparse.ArgumentParser, public: bool = False) -> None:
-    add_flag(parser, "--insecure", default=False, type=bool,
-             help="plaintext gRPC everywhere (local runs only); otherwise the --tls-* files are required")
-    add_flag(parser, "--tls-cert-file", default="", help="PEM certificate of this service (server and client)")
-    add_flag(parser, "--tls-key-file", default="", help="PEM private key of --tls-cert-file")
-    add_flag(parser, "--tls-ca-file", default="",
-             help="PEM CA that signs the services' certificates: peers must present one it signed")
-    add_flag(parser, "--tls-server-name", default="",
-             help="name the workers' certificates carry, checked instead of the dialed address")
-    if public:
-        add_flag(parser, "--public-tls-cert-file", default="",
-                 help="certificate for the public endpoint, when it is not --tls-cert-file")
-        add_flag(parser, "--public-tls-key-file", default="", help="private key of --public-tls-cert-file")
 
 
 def _read(flag: str, path: str) -> bytes:
