@@ -1,11 +1,11 @@
-# Tandem: make setup | protos | run | test | bench | image | deploy-check
+# Tandem: make setup | protos | run | test | soak | bench | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-slow bench image deploy-check clean
+.PHONY: setup protos run test test-slow soak bench image deploy-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Five minutes of concurrent clients, cancellations, deadlines and worker restarts (tests/soak.py).
+SOAK_SECONDS ?= 300
+soak: setup
+	$(PY) -m tests.soak --seconds $(SOAK_SECONDS)
 
 bench: setup
 	$(PY) -m bench.e2e

@@ -12,7 +12,7 @@ from draft_worker.service import DraftServicer
 from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM, vocab_mismatch
 from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, Service, setup_observability
+from tandem.server import InferenceThread, service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("draft_worker")
@@ -55,8 +55,7 @@ async def main(args: argparse.Namespace) -> None:
         model = await inference.run(load)
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
-    service = Service([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
-                      metrics_host=args.host, metrics_port=args.metrics_port)
+    service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)

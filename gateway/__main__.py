@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 from gateway.conversation import Conversations
 from gateway.core import GenerationCore
+from gateway.guard import ClientGuard, TokenSet
 from gateway.request import Limits
 from gateway.routing import RedisRouter, StaticRouter
 from gateway.service import GenerationServicer
@@ -18,7 +19,7 @@ from tandem.config import add_common_flags, add_flag, add_redis_flag, checked_re
 from tandem.modeling import context_length, load_tokenizer, resolve
 from tandem.redis_conn import connect, redacted
 from tandem.registry import Registry
-from tandem.server import Service, setup_observability
+from tandem.server import service_from_args, setup_observability
 from tandem.sessions import SessionStore
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -28,6 +29,9 @@ log = logging.getLogger("gateway")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
     add_common_flags(parser, default_port=50051, default_metrics_port=9090)
+    add_flag(parser, "--public-tls-cert-file", default="",
+             help="certificate for the public endpoint, when it is not --tls-cert-file")
+    add_flag(parser, "--public-tls-key-file", default="", help="private key of --public-tls-cert-file")
     add_flag(parser, "--model", default="qwen2.5-coder-1.5b-instruct",
              help="the target model (its tokenizer and context length are used here)")
     add_redis_flag(parser)
@@ -44,9 +48,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--max-speculative-tokens", default=16, type=int, help="largest k a request may ask for")
     add_flag(parser, "--default-max-new-tokens", default=128, type=int, help="when a request leaves it 0")
     add_flag(parser, "--max-new-tokens", default=2048, type=int, help="largest max_new_tokens accepted")
+    add_flag(parser, "--max-prompt-tokens", default=0, type=int,
+             help="largest prompt accepted, in tokens (0 = the model's context window)")
+    add_flag(parser, "--max-prompt-chars", default=1_000_000, type=int, help="largest prompt text accepted")
+    add_flag(parser, "--max-stop-sequences", default=6, type=int, help="stop sequences a request may give")
+    add_flag(parser, "--max-stop-sequence-chars", default=240, type=int, help="longest stop sequence")
+    add_flag(parser, "--auth-tokens", default="",
+             help="comma-separated bearer tokens clients must send (empty, and no file: no authentication)")
+    add_flag(parser, "--auth-tokens-file", default="",
+             help="file of bearer tokens, one 'TOKEN [NAME [SERVICE ...]]' a line; re-read when it changes")
+    add_flag(parser, "--max-streams-per-client", default=0, type=int,
+             help="concurrent requests one client (token, else host) may have (0 = unlimited)")
+    add_flag(parser, "--rate-limit", default=0.0, type=float,
+             help="requests per second one client may start on average (0 = unlimited)")
+    add_flag(parser, "--rate-burst", default=10, type=int, help="requests one client may start at once")
     add_flag(parser, "--trace-content", default=False, type=bool,
              help="record prompt and completion text on the request span (off: they may be private)")
     return parser.parse_args(argv)
+
+
+def build_guard(args: argparse.Namespace) -> ClientGuard:
+    for flag in ("max_prompt_tokens", "max_streams_per_client", "rate_burst"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    tokens = TokenSet([t for t in args.auth_tokens.split(",") if t.strip()], args.auth_tokens_file)
+    if not tokens.enabled:
+        log.warning("no --auth-tokens or --auth-tokens-file: clients are not authenticated")
+    return ClientGuard(tokens, args.max_streams_per_client, args.rate_limit, args.rate_burst)
 
 
 def build_core(args: argparse.Namespace) -> GenerationCore:
@@ -71,11 +99,14 @@ async def main(args: argparse.Namespace) -> None:
     limits = Limits(max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
                     max_speculative_tokens=args.max_speculative_tokens,
                     default_speculative_tokens=args.default_speculative_tokens,
-                    default_draft_method=args.default_draft_method)
+                    default_draft_method=args.default_draft_method, max_prompt_tokens=args.max_prompt_tokens,
+                    max_prompt_chars=args.max_prompt_chars, max_stop_sequences=args.max_stop_sequences,
+                    max_stop_sequence_chars=args.max_stop_sequence_chars)
+    guard = build_guard(args)
     core = build_core(args)
     names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
              "fmaas.GenerationService"]
-    service = Service(names, entry=True, metrics_host=args.host, metrics_port=args.metrics_port)
+    service = service_from_args(names, args, entry=True, guard=guard)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), service.server)
     add_tgis_service(service.server, core, limits)
     port = service.listen(args.host, args.port)

@@ -115,9 +115,12 @@ class GenerationCore:
         """A plain prompt as a later turn of a session: no BOS or other special tokens in between."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def check_length(self, prompt_ids: list[int]) -> None:
+    def check_length(self, prompt_ids: list[int], max_prompt_tokens: int = 0) -> None:
+        """max_prompt_tokens: the operator's limit (--max-prompt-tokens), 0 = the context window."""
         if not prompt_ids:
             raise InvalidRequest("prompt must not be empty")
+        if max_prompt_tokens and len(prompt_ids) > max_prompt_tokens:
+            raise InvalidRequest(f"prompt is {len(prompt_ids)} tokens; the limit is {max_prompt_tokens}")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"prompt is {len(prompt_ids)} tokens; the model's context is "
                                  f"{self.max_context} tokens and at least one must be left to generate")

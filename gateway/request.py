@@ -26,6 +26,7 @@ class Limits:
     default_speculative_tokens: int = 16
     default_draft_method: str = "model"
     max_prompt_chars: int = 1_000_000
+    max_prompt_tokens: int = 0          # 0 = the model's context window
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def to_request(self, m: pb.GenerateRequest) -> GenRequest:
         which = m.WhichOneof("input")
         if which == "chat":
+            chars = sum(len(x.content) for x in m.chat.messages)
+            if chars > self.limits.max_prompt_chars:
+                raise InvalidRequest(f"chat.messages hold {chars} characters; the limit is "
+                                     f"{self.limits.max_prompt_chars}")
             ids, later = self.core.encode_chat([(x.role, x.content) for x in m.chat.messages])
         else:
             if len(m.prompt) > self.limits.max_prompt_chars:
@@ -45,7 +49,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                      f"{self.limits.max_prompt_chars}")
             ids = self.core.encode_prompt(m.prompt)
             later = self.core.encode_continuation(m.prompt)
-        self.core.check_length(ids)
+        self.core.check_length(ids, self.limits.max_prompt_tokens)
         s = m.sampling
         params = check_sampling(self.limits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                 seed=s.seed if s.HasField("seed") else None,

@@ -107,7 +107,7 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
         if len(text) > self.limits.max_prompt_chars:
             raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.limits.max_prompt_chars}")
         ids = self.core.encode_prompt(text)
-        self.core.check_length(ids)
+        self.core.check_length(ids, self.limits.max_prompt_tokens)
         stopping = p.stopping
         stops = list(stopping.stop_sequences)
         if p.method == pb.SAMPLE:

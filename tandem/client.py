@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -30,15 +31,28 @@ def build_request(prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
     return req
 
 
+def open_channel(address: str, ca_file: str = "", server_name: str = "") -> grpc.Channel:
+    """TLS when given the CA that signed the gateway's certificate, else plaintext."""
+    if not ca_file:
+        return grpc.insecure_channel(address)
+    with open(ca_file, "rb") as f:
+        creds = grpc.ssl_channel_credentials(f.read())
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return grpc.secure_channel(address, creds, options=options)
+
+
 def run(address: str, prompt: str, timeout: float = 600, out=sys.stdout, request_id: str = "",
-        **kwargs) -> pb.GenerateStreamResponse:
+        ca_file: str = "", server_name: str = "", token: str = "", **kwargs) -> pb.GenerateStreamResponse:
     """Streams one generation to `out`; returns the final message (finish reason and usage).
-    request_id: sent as x-request-id, which the services' log lines and the trace carry."""
-    metadata = (("x-request-id", request_id),) if request_id else None
-    with grpc.insecure_channel(address) as channel:
+    request_id: sent as x-request-id, which the services' log lines and the trace carry.
+    ca_file, server_name: TLS (see open_channel); token: sent as a bearer token."""
+    metadata = ((("x-request-id", request_id),) if request_id else ()) + \
+        ((("authorization", f"Bearer {token}"),) if token else ())
+    with open_channel(address, ca_file, server_name) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         last = None
-        for msg in stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout, metadata=metadata):
+        for msg in stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout,
+                                      metadata=metadata or None):
             out.write(msg.text)
             out.flush()
             last = msg
@@ -65,11 +79,16 @@ def main(argv=None) -> None:
     p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--request-id", default="", help="x-request-id to send (the gateway makes one up otherwise)")
+    p.add_argument("--ca-file", default="", help="PEM CA of the gateway's certificate: use TLS")
+    p.add_argument("--server-name", default="", help="name to check in the gateway's certificate")
+    p.add_argument("--token", default=os.environ.get("TANDEM_TOKEN", ""),
+                   help="bearer token (default: $TANDEM_TOKEN)")
     a = p.parse_args(argv)
     try:
         run(a.address, a.prompt, timeout=a.timeout, chat=a.chat, max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, method=a.method,
-            k=a.k, stop=a.stop, request_id=a.request_id)
+            k=a.k, stop=a.stop, request_id=a.request_id, ca_file=a.ca_file, server_name=a.server_name,
+            token=a.token)
     except grpc.RpcError as e:
         raise SystemExit(f"error: {e.code().name}: {e.details()}")
 

@@ -27,8 +27,22 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any, type: 
 
 
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+    from tandem.server import MAX_MESSAGE_BYTES
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", default=default_port, type=int, help="gRPC port")
+    add_flag(parser, "--health-port", default=0, type=int,
+             help="plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0 = none)")
+    add_flag(parser, "--max-message-bytes", default=MAX_MESSAGE_BYTES, type=int,
+             help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
+    # Transport security (tandem.tls): certificates, or plaintext said out loud.
+    add_flag(parser, "--insecure", default=False, type=bool,
+             help="plaintext gRPC everywhere (local runs only); otherwise the --tls-* files are required")
+    add_flag(parser, "--tls-cert-file", default="", help="PEM certificate of this service (server and client)")
+    add_flag(parser, "--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    add_flag(parser, "--tls-ca-file", default="",
+             help="PEM CA that signs the services' certificates: peers must present one it signed")
+    add_flag(parser, "--tls-server-name", default="",
+             help="name the workers' certificates carry, checked instead of the dialed address")
     add_flag(parser, "--metrics-port", default=default_metrics_port, type=int,
              help="Prometheus /metrics HTTP port on --host (0 = off)")
     add_flag(parser, "--log-level", default="INFO", help="logging level")
@@ -53,8 +67,10 @@ def checked_redis_url(url: str) -> str:
 
 
 def check_worker_flags(args: argparse.Namespace) -> None:
-    """Exits with a clear message on registry flags that cannot work, before any model is loaded."""
+    """Exits with a clear message on registry and TLS flags that cannot work, before any model is loaded."""
+    from tandem.tls import tls_from_args
     checked_redis_url(args.redis_url)
+    tls_from_args(args)
     if not args.heartbeat_seconds > 0:
         raise SystemExit(f"--heartbeat-seconds must be > 0, got {args.heartbeat_seconds}")
 

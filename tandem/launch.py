@@ -21,9 +21,31 @@ from tandem.config import add_flag
 from tandem.redis_conn import RedisServer, ensure_redis, free_port, redacted
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files every process of a Stack uses: one certificate for all, signed by `ca`."""
+    cert: str
+    key: str
+    ca: str
+    server_name: str = ""
+
+    def args(self) -> list[str]:
+        return ["--tls-cert-file", self.cert, "--tls-key-file", self.key, "--tls-ca-file", self.ca,
+                "--tls-server-name", self.server_name]
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A blocking channel presenting the same certificate (the services ask for it)."""
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+        creds = grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, creds, options=options)
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TlsFiles | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with (tls.channel(address) if tls else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -57,6 +79,7 @@ class Stack:
     draft_args: list[str] = field(default_factory=list)
     heartbeat_seconds: float = 2.0
     log_dir: str = ""                # when set, each process's log goes to <log_dir>/<name>.log
+    tls: TlsFiles | None = None      # None: every process is started with --insecure, said explicitly
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)     # each process's /metrics port
@@ -77,7 +100,8 @@ class Stack:
         try:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", name.split("-")[0], "--host", self.host, "--port", str(port),
-                 "--metrics-port", str(self.metrics_ports[name]), "--redis-url", self.redis_url, *args],
+                 "--metrics-port", str(self.metrics_ports[name]), "--redis-url", self.redis_url,
+                 *(self.tls.args() if self.tls else ["--insecure"]), *args],
                 env=env, stderr=log)
         finally:
             if log is not None:
@@ -100,7 +124,7 @@ class Stack:
                     *self.draft_args]
         self._spawn(name, args, free_port())
         if wait:
-            wait_serving(self.address(name), self.procs[name], timeout)
+            wait_serving(self.address(name), self.procs[name], timeout, self.tls)
         return name
 
     def start(self, timeout: float = 600) -> "Stack":
@@ -112,9 +136,9 @@ class Stack:
             for kind, count in (("verify_worker", self.verify_workers), ("draft_worker", self.draft_workers)):
                 names = [self.add_worker(kind, wait=False) for _ in range(count)]
                 for name in names:
-                    wait_serving(self.address(name), self.procs[name], timeout)
+                    wait_serving(self.address(name), self.procs[name], timeout, self.tls)
             self._spawn("gateway", ["--model", self.target, *self.gateway_args], self.gateway_port or free_port())
-            wait_serving(self.address("gateway"), self.procs["gateway"], timeout)
+            wait_serving(self.address("gateway"), self.procs["gateway"], timeout, self.tls)
         except BaseException:
             self.stop()
             raise

@@ -16,6 +16,7 @@ import uuid
 import grpc
 
 from tandem import telemetry
+from tandem.interceptors import rewrap
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID = 128
@@ -85,17 +86,7 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):
         method = details.method if isinstance(details.method, str) else details.method.decode()
         if handler is None or method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return handler
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(
-            self._stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+        return rewrap(handler, self._unary, self._stream)
 
     async def _bind(self, context) -> None:
         rid = _incoming_id(context) or (uuid.uuid4().hex if self.generate else "")

@@ -80,12 +80,17 @@ class RedisServer:
 
     port: int = 0
     password: str = ""
+    username: str = ""      # with a password: an ACL user with access to Tandem's keys; default user off
+    tls_files: tuple[str, str, str] | None = None    # (cert, key, CA) PEM paths: TLS only, clients need a cert
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        auth = f"{self.username}:{self.password}@" if self.password else ""
+        if self.tls_files is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        cert, key, ca = self.tls_files
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={ca}&ssl_certfile={cert}&ssl_keyfile={key}"
 
     def start(self, timeout: float = 10) -> "RedisServer":
         binary = shutil.which("redis-server")
@@ -94,8 +99,16 @@ class RedisServer:
         self.port = self.port or free_port()
         args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--dir", tempfile.gettempdir(), "--loglevel", "warning"]
-        if self.password:
+        if self.username:
+            args += ["--user", "default", "off", "--user", self.username, "on", f">{self.password}",
+                     "~tandem:*", "&*", "+@all", "-@dangerous"]
+        elif self.password:
             args += ["--requirepass", self.password]
+        if self.tls_files is not None:
+            cert, key, ca = self.tls_files
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", ca]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while not answers(self.url, timeout=0.5):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -17,6 +19,20 @@ FAILED_VERIFY = ((FAILED_HOP, "verify"),)
 def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
     return pb.WorkerSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                              max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens)
+
+
+def check_params(p: SamplingParams) -> SamplingParams:
+    """p, or ValueError saying which field cannot work. The gateway validates what clients send;
+    this guards a worker against a peer that did not."""
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise ValueError(f"sampling.temperature must be finite and >= 0, got {p.temperature}")
+    if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
+    if p.max_new_tokens < 1:
+        raise ValueError("sampling.max_new_tokens must be >= 1")
+    if p.min_new_tokens > p.max_new_tokens:
+        raise ValueError(f"sampling.min_new_tokens ({p.min_new_tokens}) exceeds max_new_tokens ({p.max_new_tokens})")
+    return p
 
 
 def params_from_proto(m: pb.WorkerSampling) -> SamplingParams:

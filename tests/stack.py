@@ -25,7 +25,8 @@ from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
 from tandem.modeling import CausalLM
 from tandem import logs, metrics, telemetry
-from tandem.server import CHANNEL_OPTIONS, InferenceThread
+from tandem.interceptors import MalformedRequestInterceptor
+from tandem.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, InferenceThread, message_options
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
 from tandem.v1 import internal_pb2_grpc as internal_grpc
@@ -76,17 +77,22 @@ async def wait_until_idle(stack: InProcessStack, timeout: float = 5.0) -> tuple[
         await asyncio.sleep(0.05)
 
 
-async def _serve(add, entry: bool = False) -> tuple[grpc.aio.Server, str]:
-    # The services' own interceptors: tracing (when a test turned it on) and request ids.
-    interceptors = [*telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+async def _serve(add, entry: bool = False, guard=None, max_message_bytes: int = MAX_MESSAGE_BYTES
+                 ) -> tuple[grpc.aio.Server, str]:
+    # The services' own interceptors, in their order (tandem.server.Service): the gateway's guard,
+    # malformed requests, tracing (when a test turned it on) and request ids.
+    interceptors = [*([guard] if guard else []), MalformedRequestInterceptor(),
+                    *telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]
+    server = grpc.aio.server(options=message_options(max_message_bytes), interceptors=interceptors)
     add(server)
     port = server.add_insecure_port("127.0.0.1:0")     # 0: the OS picks a free port
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
-async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None) -> InProcessStack:
+async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None, guard=None,
+                      max_message_bytes: int = MAX_MESSAGE_BYTES) -> InProcessStack:
+    """guard, max_message_bytes: the gateway's (gateway.guard.ClientGuard, --max-message-bytes)."""
     limits = limits or Limits()
     metrics.register(*metrics.SERVICES)       # all three services share this process's registry
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
@@ -104,7 +110,7 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
         tandem_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), server)
         add_tgis_service(server, core, limits)
 
-    g_server, g_addr = await _serve(add_gateway, entry=True)
+    g_server, g_addr = await _serve(add_gateway, entry=True, guard=guard, max_message_bytes=max_message_bytes)
     return InProcessStack(g_addr, v_addr, d_addr, core, limits, verify, draft_servicer,
                           grpc.aio.insecure_channel(g_addr, options=CHANNEL_OPTIONS),
                           [g_server, d_server, v_server], [v_thread, d_thread])

@@ -211,10 +211,14 @@ def test_probes_are_native_grpc_on_the_service_port(charts, overlays):
     for name, docs in all_renders(charts, overlays).items():
         for pool, deployment in pool_deployments(docs).items():
             container = main_container(deployment)
-            port = int(env_of(docs, container)["TANDEM_PORT"])
+            env = env_of(docs, container)
+            port = int(env["TANDEM_PORT"])
             assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == port
+            # With TLS, kubelet (which cannot speak it) probes the plaintext health-only port.
+            probe_port = int(env["TANDEM_HEALTH_PORT"]) if "TANDEM_TLS_CERT_FILE" in env else port
+            assert ("TANDEM_TLS_CERT_FILE" in env) != (env.get("TANDEM_INSECURE") == "true"), (name, pool)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["grpc"] == {"port": port}, (name, pool, probe)
+                assert container[probe]["grpc"] == {"port": probe_port}, (name, pool, probe)
             # model loading is covered by the startup probe, not by liveness restarts
             startup = container["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, (name, pool)
@@ -499,6 +503,23 @@ NOT_FLAGS = {"TANDEM_CACHE_DIR"}
 NOT_MERGED = {"gateway": {"TANDEM_METRICS_PORT"},
               "draft": {"TANDEM_METRICS_PORT", "TANDEM_DTYPE", "TANDEM_CALIBRATE"},
               "verify": {"TANDEM_METRICS_PORT", "TANDEM_DTYPE", "TANDEM_CALIBRATE"}}
+
+
+def test_tls_and_tokens_come_from_mounted_secrets(charts):
+    docs = charts["tls"]
+    for pool, deployment in pool_deployments(docs).items():
+        container, spec = main_container(deployment), deployment["spec"]["template"]["spec"]
+        env = env_of(docs, container)
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        for var in ("TANDEM_TLS_CERT_FILE", "TANDEM_TLS_KEY_FILE", "TANDEM_TLS_CA_FILE"):
+            assert secrets[mounts[env[var].rsplit("/", 1)[0]]] == "tandem-tls", (pool, var)
+        assert env["TANDEM_TLS_SERVER_NAME"] == "tandem-internal"
+        assert not any("subPath" in m for m in container["volumeMounts"])    # so rotation reaches the pod
+        if pool == "gateway":
+            assert secrets[mounts[env["TANDEM_AUTH_TOKENS_FILE"].rsplit("/", 1)[0]]] == "tandem-tokens"
+        else:
+            assert "TANDEM_AUTH_TOKENS_FILE" not in env
 
 
 def test_every_tandem_variable_set_is_one_a_service_reads(charts, overlays):

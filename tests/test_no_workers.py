@@ -89,7 +89,8 @@ def test_no_verify_worker_then_no_draft_worker_then_redis_lost(tiny_pair, tiny_m
 def test_bad_flags_stop_start_up_with_a_clear_message(service, flags, message, tiny_pair):
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", service, "--model", str(tiny_pair[0]), "--port", "0", *flags],
+    proc = subprocess.run([sys.executable, "-m", service, "--model", str(tiny_pair[0]), "--port", "0", "--insecure",
+                           *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr

@@ -3,6 +3,7 @@ history, lands on the verify worker that kept its KV cache (only new tokens pref
 eviction is rebuilt from the history in Redis with the same output."""
 
 import json
+import time
 import threading
 
 import grpc
@@ -16,13 +17,14 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 BUDGET = 300     # KV tokens per verify worker
+HEARTBEAT = 0.5
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, redis_server):
     target, draft = tiny_pair
     with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, verify_workers=2,
-               draft_workers=1, heartbeat_seconds=0.5, verify_args=["--kv-budget-tokens", str(BUDGET)]) as s:
+               draft_workers=1, heartbeat_seconds=HEARTBEAT, verify_args=["--kv-budget-tokens", str(BUDGET)]) as s:
         yield s
 
 
@@ -66,6 +68,9 @@ def test_turns_continue_reuse_the_kv_cache_and_survive_eviction(gateway, tok, ti
     assert record["tokens"] == history and record["turns"] == 2 and record["status"] == "done"
 
     # Two long requests at once, one per verify worker, need the budget the idle conv-1 holds.
+    # Routing reads load from the workers' heartbeats: let one pass that no longer shows the turns
+    # above as live, or the two may be sent to one worker.
+    time.sleep(2 * HEARTBEAT)
     evictors = [build_request("for i in range(10):\n", max_new_tokens=BUDGET - 40, method="none",
                               session_id=f"evictor-{i}") for i in range(2)]
     calls = [gateway.GenerateStream(evictors[0], timeout=60)]

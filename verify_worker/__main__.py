@@ -10,7 +10,7 @@ import time
 from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
 from tandem.modeling import CausalLM
 from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, Service, setup_observability
+from tandem.server import InferenceThread, service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
 from verify_worker.kvstore import SessionKeeper
@@ -44,8 +44,7 @@ async def main(args: argparse.Namespace) -> None:
         return model
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
-    service = Service([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name],
-                      metrics_host=args.host, metrics_port=args.metrics_port)
+    service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
     servicer = VerifyServicer(engine, inference, SessionKeeper(args.kv_budget_tokens))
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)

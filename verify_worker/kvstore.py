@@ -22,6 +22,7 @@ class SessionKeeper:
     def __init__(self, budget_tokens: int) -> None:
         self.budget = budget_tokens           # 0 = unbounded
         self.live: dict[int, int] = {}        # reserved tokens by stream
+        self.live_ids: dict[str, int] = {}    # the stream that owns each live session id
         self.idle: OrderedDict[str, TargetSession] = OrderedDict()   # least recently used first
         self.evictions = 0
 
@@ -33,7 +34,11 @@ class SessionKeeper:
 
     def admit(self, stream: int, session_id: str, need: int) -> TargetSession | None:
         """Reserves `need` tokens for a stream; returns the idle earlier turn of session_id, if kept,
-        for its cache to be reused. Raises KVBudgetExceeded."""
+        for its cache to be reused. Raises KVBudgetExceeded.
+
+        A session opened again while a stream still holds it (a migration that outran the news of
+        the old draft worker's death) moves to the new stream: the old one no longer owns it
+        (see owns) and is refused on its next message, so the two never both extend it."""
         if self.budget and need > self.budget:
             raise KVBudgetExceeded(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens); "
                                    f"this worker's budget is {self.budget}")
@@ -48,11 +53,20 @@ class SessionKeeper:
             metrics.EVICTIONS.inc()
             telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
         self.live[stream] = need
+        if session_id:
+            self.live_ids[session_id] = stream
         return reuse
 
+    def owns(self, stream: int, session_id: str) -> bool:
+        return not session_id or self.live_ids.get(session_id) == stream
+
     def release(self, stream: int, session: TargetSession | None, keep: bool) -> None:
-        """Ends a stream's reservation; a finished session is kept idle for its next turn."""
-        self.live.pop(stream, None)
+        """Ends a stream's reservation; a finished session is kept idle for its next turn, unless
+        another stream has taken it over."""
+        keep = keep and session is not None and self.owns(stream, session.session_id)
+        if self.live.pop(stream, None) is not None:
+            for sid in [s for s, owner in self.live_ids.items() if owner == stream]:
+                del self.live_ids[sid]
         if keep and session is not None and session.session_id:
             self.idle.pop(session.session_id, None)
             self.idle[session.session_id] = session

@@ -45,12 +45,16 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
         tokens whose KV came from its kept earlier turn."""
         logs.session_id.set(session_id)
-        params = wire.params_from_proto(sampling)
+        try:
+            params = wire.check_params(wire.params_from_proto(sampling))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         need = min(len(prompt_ids) + params.max_new_tokens, self.engine.model.max_context)
         try:
             reuse = self.keeper.admit(id(context), session_id, need)
         except KVBudgetExceeded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
         cached = 0
         if reuse is not None:
             cached = min(common_prefix(reuse.tokens, prompt_ids), reuse.cache.length, len(prompt_ids) - 1)
@@ -94,6 +98,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "proposal before the session was opened")
+                    if not self.keeper.owns(id(context), session.session_id):
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                            f"session {session.session_id} was reopened on another stream")
                     verdict, seconds = await self._call(context, self._verify, session,
                                                         list(req.proposal.token_ids), req.proposal.distributions)
                     metrics.VERIFY_SECONDS.observe(seconds)
@@ -131,7 +138,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         idle = self.keeper.idle.values()
         return pb.WorkerStatus(model=self.engine.model.name, live_sessions=len(self.sessions),
                                kv_bytes=sum(s.cache.nbytes() for s in self.sessions.values()),
-                               idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle))
+                               idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle),
+                               reserved_kv_tokens=sum(self.keeper.live.values()))
 
     def _verify(self, session: TargetSession, tokens: list[int], distributions) -> VerdictResult:
         """On the inference thread, like every torch op of this process (see InferenceThread)."""

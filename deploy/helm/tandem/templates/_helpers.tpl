@@ -150,6 +150,31 @@ bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker 
 - name: TANDEM_METRICS_PORT
   value: {{ $v.metrics.port | quote }}
 {{- end }}
+{{- if $v.tls.enabled }}
+- name: TANDEM_TLS_CERT_FILE
+  value: /etc/tandem/tls/tls.crt
+- name: TANDEM_TLS_KEY_FILE
+  value: /etc/tandem/tls/tls.key
+- name: TANDEM_TLS_CA_FILE
+  value: /etc/tandem/tls/ca.crt
+- name: TANDEM_TLS_SERVER_NAME
+  value: {{ $v.tls.serverName | quote }}
+- name: TANDEM_HEALTH_PORT
+  value: {{ $v.tls.healthPort | quote }}
+{{- if and (eq .component "gateway") $v.tls.publicSecretName }}
+- name: TANDEM_PUBLIC_TLS_CERT_FILE
+  value: /etc/tandem/public-tls/tls.crt
+- name: TANDEM_PUBLIC_TLS_KEY_FILE
+  value: /etc/tandem/public-tls/tls.key
+{{- end }}
+{{- else }}
+- name: TANDEM_INSECURE
+  value: "true"
+{{- end }}
+{{- if and (eq .component "gateway") $v.auth.existingSecret }}
+- name: TANDEM_AUTH_TOKENS_FILE
+  value: {{ printf "/etc/tandem/auth/%s" $v.auth.secretKey | quote }}
+{{- end }}
 {{- include "tandem.redisEnv" .root }}
 {{- if $v.otel.enabled }}
 - name: OTEL_TRACES_EXPORTER
@@ -267,9 +292,41 @@ podAntiAffinity:
 {{- end }}
 {{- end }}
 
-{{/* A native gRPC probe on the pool's port; the health service answers for "" (the server). */}}
+{{/* A native gRPC probe on the pool's port; the health service answers for "" (the server).
+With TLS on, on the plaintext health-only port instead: kubelet's gRPC probes cannot speak TLS. */}}
 {{- define "tandem.grpcProbe" -}}
 grpc:
   port: {{ .port }}
 {{ toYaml .probe }}
+{{- end }}
+
+{{/* Secret volumes for TLS and tokens: mounted as folders (not subPath), so a rotated Secret
+reaches the pod and the gateway re-reads its tokens without a restart. */}}
+{{- define "tandem.secretMounts" -}}
+{{- $v := .root.Values }}
+{{- if $v.tls.enabled }}
+- {name: tls, mountPath: /etc/tandem/tls, readOnly: true}
+{{- if and (eq .component "gateway") $v.tls.publicSecretName }}
+- {name: public-tls, mountPath: /etc/tandem/public-tls, readOnly: true}
+{{- end }}
+{{- end }}
+{{- if and (eq .component "gateway") $v.auth.existingSecret }}
+- {name: auth, mountPath: /etc/tandem/auth, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.secretVolumes" -}}
+{{- $v := .root.Values }}
+{{- if $v.tls.enabled }}
+- name: tls
+  secret: {secretName: {{ required "tls.secretName is required with tls.enabled" $v.tls.secretName | quote }}}
+{{- if and (eq .component "gateway") $v.tls.publicSecretName }}
+- name: public-tls
+  secret: {secretName: {{ $v.tls.publicSecretName | quote }}}
+{{- end }}
+{{- end }}
+{{- if and (eq .component "gateway") $v.auth.existingSecret }}
+- name: auth
+  secret: {secretName: {{ $v.auth.existingSecret | quote }}}
+{{- end }}
 {{- end }}

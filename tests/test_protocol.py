@@ -1,0 +1,129 @@
+"""Internal streams refuse out-of-protocol messages, and a refused stream never disturbs another
+session: real gRPC to the in-process verify worker, tiny seeded models."""
+
+import math
+
+import grpc
+import pytest
+
+from draft_worker.local import reference
+from tandem.sampling import SamplingParams
+from tandem.v1 import internal_pb2 as pb
+from tandem.v1 import internal_pb2_grpc as pb_grpc
+from tests.stack import stack  # noqa: F401  (the fixture)
+
+PROMPT = [5, 17, 42, 99, 7, 63, 12]
+N = 24
+GREEDY = pb.WorkerSampling(max_new_tokens=N, top_p=1.0)
+
+
+def opening(session_id="s", prompt=PROMPT, sampling=GREEDY):
+    return pb.VerifyRequest(open=pb.OpenSession(session_id=session_id, prompt_ids=prompt, sampling=sampling))
+
+
+def proposal(tokens, distributions=()):
+    return pb.VerifyRequest(proposal=pb.Proposal(token_ids=tokens, distributions=list(distributions)))
+
+
+async def refused(stub, messages) -> tuple[grpc.StatusCode, str]:
+    """Sends messages on one Verify stream until the worker ends it; its status."""
+    call = stub.Verify(timeout=30)
+    try:
+        for m in messages:
+            await call.write(m)
+            if await call.read() == grpc.aio.EOF:
+                break
+        await call.done_writing()
+        while await call.read() != grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError:
+        pass
+    except Exception:           # a write after the worker ended the stream
+        pass
+    return await call.code(), await call.details()
+
+
+def vocab(stack):
+    return stack.verify.engine.model.vocab_size
+
+
+def bad_streams(stack):
+    """(messages, status, words in the message) for each kind of out-of-protocol stream."""
+    v, k_max = vocab(stack), stack.verify.engine.max_proposal
+    inv, pre = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    return [
+        ([proposal([1, 2])], pre, "before the session was opened"),
+        ([pb.VerifyRequest()], inv, "empty VerifyRequest"),
+        ([opening("b"), opening("b")], pre, "already open"),
+        ([opening("b", prompt=[1, v])], inv, "outside the vocabulary"),
+        ([opening("b", prompt=[-3])], inv, "outside the vocabulary"),
+        ([opening("b", prompt=[])], inv, "must not be empty"),
+        ([opening("b"), proposal(list(range(k_max + 1)))], inv, "exceeds this worker's limit"),
+        ([opening("b"), proposal([3, v + 5])], inv, "outside the vocabulary"),
+        ([opening("b"), proposal([2**31 - 1])], inv, "outside the vocabulary"),
+        ([opening("b", sampling=pb.WorkerSampling(temperature=math.nan, max_new_tokens=4))], inv, "temperature"),
+        ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=0))], inv, "max_new_tokens"),
+        ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=2, min_new_tokens=5))], inv, "min_new_tokens"),
+        ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=2, top_p=1.5))], inv, "top_p"),
+        ([opening("b", sampling=pb.WorkerSampling(temperature=1.0, max_new_tokens=4, top_p=1.0)),
+          proposal([3, 4], [pb.DraftDistribution(token_ids=[3], probs=b"\x00\x00")])], inv, "prob bytes"),
+        ([opening("b", sampling=pb.WorkerSampling(temperature=1.0, max_new_tokens=4, top_p=1.0)),
+          proposal([3], [pb.DraftDistribution(token_ids=[v], probs=b"\x00\x00\x80\x3f")])], inv, "vocabulary"),
+    ]
+
+
+async def test_bad_streams_are_refused_and_another_session_is_untouched(stack, tiny_models):
+    """Session A is verified round by round, with a bad stream between every two rounds; its output
+    must still be the target's greedy output, and nothing may stay reserved afterwards."""
+    expected = reference(tiny_models[0], PROMPT, SamplingParams(max_new_tokens=N))
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        stub = pb_grpc.VerifyServiceStub(ch)
+        a = stub.Verify(timeout=60)
+        await a.write(opening("victim"))
+        assert (await a.read()).HasField("opened")
+        out, bad = [], iter(bad_streams(stack) * 3)
+        while True:
+            messages, code, words = next(bad, ([], None, ""))
+            if messages:
+                got, details = await refused(stub, messages)
+                assert got == code and words in details, (messages, got, details)
+            # A proposal of two right tokens and a wrong one: accepted, rejected and rolled back.
+            i = len(out)
+            guess = expected[i:i + 2] + [(expected[i + 2] + 1) % vocab(stack)] if i + 2 < len(expected) else []
+            await a.write(proposal(guess))
+            verdict = (await a.read()).verdict
+            out += list(verdict.token_ids)
+            if verdict.stop_reason:
+                break
+        await a.done_writing()
+        assert out == expected
+        status = await stub.Status(pb.StatusRequest(), timeout=10)
+        assert status.live_sessions == 0 and status.reserved_kv_tokens == 0
+
+
+async def test_a_reopened_session_moves_to_the_new_stream(stack, tiny_models):
+    """A migration can open a session whose old stream the worker has not seen die yet: the new
+    stream serves it, and the old one is refused on its next message instead of extending it too."""
+    expected = reference(tiny_models[0], PROMPT, SamplingParams(max_new_tokens=N))
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        stub = pb_grpc.VerifyServiceStub(ch)
+        old, new = stub.Verify(timeout=60), stub.Verify(timeout=60)
+        await old.write(opening("moved"))
+        await old.read()
+        await new.write(opening("moved"))
+        await new.read()
+        await old.write(proposal(expected[:2]))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await old.read()
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "reopened" in e.value.details()
+        out = []
+        while True:
+            await new.write(proposal([]))
+            verdict = (await new.read()).verdict
+            out += list(verdict.token_ids)
+            if verdict.stop_reason:
+                break
+        assert out == expected
+        await new.done_writing()
+        status = await stub.Status(pb.StatusRequest(), timeout=10)
+        assert status.live_sessions == 0 and status.reserved_kv_tokens == 0
