@@ -184,12 +184,13 @@ class _Run:
         router = self.core.router
         while True:
             try:
-                self.route = await router.route(self.req.method, self.turn.affinity, failed, self._need())
+                need = self._need()
+                self.route = await router.route(self.req.method, self.turn.affinity, failed, need)
             except RoutingError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.usage.draft_method = self.route.method
             busy = [self.route.verify, *([self.route.draft] if self.route.draft else [])]
-            reserved = {self.route.verify: self._need()}
+            reserved = {self.route.verify: need}
             router.inflight.update(busy)
             router.reserved.update(reserved)
             try:
