@@ -9,7 +9,9 @@ import time
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
-from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
+from tandem.batcher import Batcher
+from tandem.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags, add_worker_flags,
+                           check_kv_flags, check_worker_flags)
 from tandem.modeling import CausalLM, vocab_mismatch
 from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, service_from_args, setup_observability
@@ -30,15 +32,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--confidence", default=0.4, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
+    add_kv_flags(parser, default_tokens=16384)
+    add_flag(parser, "--max-batch-tokens", default=512, type=int,
+             help="most tokens (all sessions' draft steps) in one batched forward pass of the draft model")
     add_worker_flags(parser)
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
+    check_kv_flags(args)
     drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
     eos_ids: list[int] = []
     vocab_size = None
+    batcher = None
     inference = InferenceThread("draft")
     if args.model and args.model != "none":
         if args.target_model:
@@ -47,7 +54,8 @@ async def main(args: argparse.Namespace) -> None:
                 raise SystemExit(f"refusing to start: {problem}")
 
         def load() -> CausalLM:
-            model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+            model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+                             kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20)
             if args.calibrate:
                 model.calibrate(4, last=1)  # a round feeds 1 or 2 tokens; prompts are long enough not to matter
             return model
@@ -55,8 +63,10 @@ async def main(args: argparse.Namespace) -> None:
         model = await inference.run(load)
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
+        batcher = Batcher(model, inference, max_tokens=args.max_batch_tokens)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
-    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k)
+    servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
+                             batcher=batcher)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.modeling import CausalLM, SessionCache
+from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
 
 # A sampled draft distribution is cut to its most likely tokens before sampling from it, so
@@ -58,42 +58,72 @@ class _ModelDraftState:
                  confidence: float = 0.0):
         self.model, self.params, self.eos_ids, self.prompt_len = model, params, eos_ids, prompt_len
         self.confidence = confidence
-        self.cache = SessionCache()
+        # room for the whole generation and one proposal past it; it grows if a turn needs more
+        self.cache = model.new_cache(prompt_len + params.max_new_tokens + 17)
         self.cached: list[int] = []              # token ids whose KV is in self.cache
         self.generator = make_generator(params.seed, stream=1)
 
     def propose(self, context: list[int], k: int) -> Draft:
+        """k tokens (fewer after an end-of-sequence or an unconfident one), one forward pass each."""
+        proposal = self._begin(context, k)
+        feed = proposal.feed
+        while feed:
+            feed = proposal.take(self.model.forward(feed, self.cache, last=1))
+        return proposal.draft()
+
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
+        """As propose, each step going through `batcher` so that it shares a forward pass with the
+        other sessions' steps."""
+        proposal = self._begin(context, k)
+        feed = proposal.feed
+        while feed:
+            feed = (await batcher.forward(self.cache, feed, 1, proposal.take)).value
+        return proposal.draft()
+
+    def _begin(self, context: list[int], k: int) -> _Proposal:
+        """Rolls the cache back to the longest prefix it shares with context."""
         if k <= 0:
-            return Draft([])
+            return _Proposal(self, context, 0, [])
         keep = _common_prefix(self.cached, context)
         keep = min(keep, len(context) - 1)       # at least one token must be fed to get logits
         self.cache.crop(keep)
         self.cached = self.cached[:keep]
-        feed = context[keep:]
-        tokens: list[int] = []
-        support = [] if not self.params.greedy else None
-        for i in range(k):
-            logits = self.model.forward(feed, self.cache, last=1)     # [1, V]
-            self.cached.extend(feed)
-            generated = len(context) - self.prompt_len + i
-            logits = suppress_eos(logits, self.eos_ids, generated, self.params.min_new_tokens)
-            if self.params.greedy:
-                token = int(logits[0].argmax())
-                q_token = float(torch.softmax(logits[0], dim=-1)[token]) if self.confidence else 1.0
-            else:
-                ids, probs = _truncate(probabilities(logits, self.params)[0])
-                pick = int(torch.multinomial(probs, 1, generator=self.generator))
-                token, q_token = int(ids[pick]), float(probs[pick])
-                support.append((ids, probs))
-            tokens.append(token)
-            if token in self.eos_ids or q_token < self.confidence:
-                break
-            feed = [token]
-        return Draft(tokens, support)
+        return _Proposal(self, context, k, context[keep:])
 
     def close(self) -> None:
-        self.cache = SessionCache()
+        self.cache.release()
         self.cached = []
+
+
+class _Proposal:
+    """One proposal being drafted: `take` turns each step's logits into a token and says what to
+    feed next (nothing when the proposal is complete)."""
+
+    def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int]) -> None:
+        self.state, self.context, self.k, self.feed = state, context, k, feed
+        self.tokens: list[int] = []
+        self.support: list | None = [] if not state.params.greedy else None
+
+    def take(self, logits: torch.Tensor) -> list[int]:
+        st = self.state
+        st.cached.extend(self.feed)
+        generated = len(self.context) - st.prompt_len + len(self.tokens)
+        logits = suppress_eos(logits, st.eos_ids, generated, st.params.min_new_tokens)   # [1, V]
+        if st.params.greedy:
+            token = int(logits[0].argmax())
+            q_token = float(torch.softmax(logits[0], dim=-1)[token]) if st.confidence else 1.0
+        else:
+            ids, probs = _truncate(probabilities(logits, st.params)[0])
+            pick = int(torch.multinomial(probs, 1, generator=st.generator))
+            token, q_token = int(ids[pick]), float(probs[pick])
+            self.support.append((ids, probs))
+        self.tokens.append(token)
+        done = len(self.tokens) >= self.k or token in st.eos_ids or q_token < st.confidence
+        self.feed = [] if done else [token]
+        return self.feed
+
+    def draft(self) -> Draft:
+        return Draft(self.tokens, self.support)
 
 
 class NgramDrafter:

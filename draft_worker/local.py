@@ -6,7 +6,7 @@ from __future__ import annotations
 from draft_worker.drafters import Drafter
 from draft_worker.service import plan_k
 from tandem import wire
-from tandem.modeling import CausalLM, SessionCache
+from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams, make_generator, probabilities, sample, suppress_eos
 from verify_worker.engine import STOP_NONE, VerifyEngine
 
@@ -15,6 +15,7 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
               k: int) -> tuple[list[int], int, int]:
     """Returns (generated tokens, drafted, accepted)."""
     s = engine.open("local", prompt, params)
+    engine.prefill(s)
     state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
     drafted = accepted = 0
     while s.stop_reason == STOP_NONE:
@@ -34,7 +35,7 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
 
 def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> list[int]:
     """The target alone, token by token, the way a plain decoder does it."""
-    cache = SessionCache()
+    cache = model.new_cache(len(prompt) + params.max_new_tokens)
     g = make_generator(params.seed, stream=0)
     logits = model.forward(prompt, cache, last=1)
     out: list[int] = []

@@ -16,6 +16,7 @@ import grpc
 from draft_worker.controller import controller_for
 from draft_worker.drafters import Draft, Drafter
 from tandem import logs, metrics, telemetry, wire
+from tandem.batcher import Batcher
 from tandem.server import InferenceThread
 from tandem.server import channel as traced_channel
 from tandem.v1 import internal_pb2 as pb
@@ -34,8 +35,9 @@ def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
-                 inference: InferenceThread, adaptive_k: bool = True) -> None:
+                 inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None) -> None:
         self.drafters = drafters
+        self.batcher = batcher                # batches the model drafter's steps across sessions
         self.adaptive_k = adaptive_k
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
@@ -90,7 +92,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                            params.max_new_tokens, opened.max_context, opened.max_proposal)
                 return control.choose(k) if control is not None else k
 
-            pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
+            pending = self._propose(state, tokens, next_k())
             rounds = drafted = accepted = 0
             while True:
                 draft, propose_s = await pending
@@ -116,7 +118,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     yield chunk
                     break
                 # The next proposal is drafted while this chunk travels to the gateway.
-                pending = asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, next_k()))
+                pending = self._propose(state, tokens, next_k())
                 yield chunk
             log.info("speculation finished", extra={"fields": {
                 "method": drafter.name, "rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -142,6 +144,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 pending.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
+
+    def _propose(self, state, tokens: list[int], k: int) -> asyncio.Future:
+        """Drafts the next proposal in the background: (Draft, seconds until it was ready)."""
+        if self.batcher is None or not hasattr(state, "propose_batched"):
+            return asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, k))
+
+        async def batched():
+            start = time.perf_counter()
+            return await state.propose_batched(self.batcher, tokens, k), time.perf_counter() - start
+        return asyncio.ensure_future(batched())
 
     async def _verify_round(self, call, context, draft: Draft) -> tuple[pb.Verdict, float]:
         """Sends one proposal and reads its verdict: (verdict, round-trip seconds)."""

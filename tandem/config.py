@@ -94,3 +94,18 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
     add_flag(parser, "--calibrate", default=True, type=bool,
              help="at start-up, measure the forward pass for each number of new tokens and pad "
                   "inputs to a longer length where that is faster")
+
+
+def add_kv_flags(parser: argparse.ArgumentParser, default_tokens: int) -> None:
+    """The KV cache pool a worker preallocates for all its sessions."""
+    add_flag(parser, "--kv-budget-tokens", default=default_tokens, type=int,
+             help="size of the preallocated KV cache pool, in token positions, all sessions together")
+    add_flag(parser, "--kv-memory-mb", default=0, type=int,
+             help="size of the KV cache pool in MiB; when set, overrides --kv-budget-tokens")
+
+
+def check_kv_flags(args: argparse.Namespace) -> None:
+    if args.kv_budget_tokens <= 0:
+        raise SystemExit(f"--kv-budget-tokens must be > 0, got {args.kv_budget_tokens}")
+    if args.kv_memory_mb < 0:
+        raise SystemExit(f"--kv-memory-mb must be >= 0 (0 = use --kv-budget-tokens), got {args.kv_memory_mb}")

@@ -71,8 +71,16 @@ SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos"
                                 "position in the proposal", ["method", "position"], registry=_NO)
 
 # ---- verify worker ----
-VERIFY_QUEUE = Gauge("tandem_verify_queue_depth", "Target model jobs waiting for the inference thread (the one "
-                     "running excluded); the verify pool autoscales on it", registry=_NO)
+VERIFY_QUEUE = Gauge("tandem_verify_queue_depth", "Work waiting for the target: rounds and prefill chunks queued "
+                     "for the next batch plus requests waiting for KV admission; the verify pool autoscales "
+                     "on it", registry=_NO)
+ADMISSION_WAITING = Gauge("tandem_verify_admission_queue_depth", "Requests waiting for KV cache space",
+                          registry=_NO)
+BATCH_SESSIONS = Histogram("tandem_verify_batch_sessions", "Sessions in one batched forward pass of the target",
+                           buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=_NO)
+BATCH_TOKENS = Histogram("tandem_verify_batch_tokens", "Tokens in one batched forward pass of the target",
+                         buckets=(1, 4, 16, 64, 256, 512, 1024, 2048), registry=_NO)
+KV_POOL_BYTES = Gauge("tandem_verify_kv_pool_bytes", "Bytes of the preallocated KV cache pool", registry=_NO)
 VERIFY_RUNNING = Gauge("tandem_verify_running_sessions", "Sessions with a stream open on this worker", registry=_NO)
 VERIFY_IDLE = Gauge("tandem_verify_idle_sessions", "Finished sessions whose KV is kept for their next turn",
                     registry=_NO)
@@ -92,11 +100,12 @@ _OWNED = {
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
                      SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
-                      PREFILL_TOKENS, VERIFY_SECONDS],
+                      PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
+                      KV_POOL_BYTES],
 }
 SERVICES = tuple(_OWNED)
 
-_QUEUES = {"verify": VERIFY_QUEUE, "draft": DRAFT_QUEUE}
+_QUEUES = {"draft": DRAFT_QUEUE}     # the verify worker's queue is its batcher's (see VerifyServicer)
 
 
 def queue_gauge(name: str) -> Gauge | None:

@@ -8,7 +8,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from tandem.kvpool import ATTENTION, ForwardBatch, KVPool, SessionCache
 
 log = logging.getLogger(__name__)
 
@@ -17,30 +19,6 @@ def resolve(spec: str) -> Path:
     """A preset name, a Hugging Face folder or a .gguf file -> a Hugging Face folder."""
     from tandem import presets  # imported lazily: resolving may download and convert
     return presets.resolve_model(spec)
-
-
-class SessionCache:
-    """The KV cache of one session on one model.
-
-    `length` tokens have keys/values in the cache. Rolling back is `crop`, which keeps a view of
-    the leading positions: no copy of the cache is made.
-    """
-
-    def __init__(self) -> None:
-        self.kv = DynamicCache()
-        self.length = 0
-
-    def crop(self, length: int) -> None:
-        if length < self.length:
-            self.kv.crop(length - self.length)
-            self.length = length
-
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.kv.layers:
-            if getattr(layer, "is_initialized", False):
-                total += layer.keys.nbytes + layer.values.nbytes
-        return total
 
 
 DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -66,15 +44,20 @@ def load_weights(path: Path, dtype: str, device: str):
 
 
 class CausalLM:
-    """A transformers causal LM in inference mode on one device."""
+    """A transformers causal LM in inference mode on one device, with the KV pool of its sessions.
+
+    `kv_tokens`: the pool's size in token positions, all sessions together, allocated up front;
+    `kv_bytes`, when given, sizes it in bytes instead."""
 
     def __init__(self, spec: str, device: str = "cpu", threads: int | None = None,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
         start = time.monotonic()
         self.model = load_weights(self.path, dtype, device)
+        self.model.set_attn_implementation(ATTENTION)
+        self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
         self.device = device
         self.dtype = dtype
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
@@ -85,29 +68,61 @@ class CausalLM:
         self.vocab_size: int = config.vocab_size
         self.max_context: int = context_length(config)
         self.eos_ids: list[int] = _eos_ids(self.model)
-        log.info("loaded %s (%s) from %s in %.1fs (vocab %d, context %d, eos %s)", spec, dtype, self.path,
-                 time.monotonic() - start, self.vocab_size, self.max_context, self.eos_ids)
+        log.info("loaded %s (%s) from %s in %.1fs (vocab %d, context %d, eos %s, KV pool %d tokens, %.0f MiB)",
+                 spec, dtype, self.path, time.monotonic() - start, self.vocab_size, self.max_context,
+                 self.eos_ids, self.pool.slots, self.pool.nbytes / 2**20)
 
-    @torch.inference_mode()
+    def new_cache(self, capacity: int = 64) -> SessionCache:
+        """A session's cache with room for `capacity` positions (it grows when fed more).
+        Raises KVPoolFull."""
+        return SessionCache(self.pool, min(capacity, self.max_context))
+
     def forward(self, token_ids: list[int], cache: SessionCache, last: int | None = None) -> torch.Tensor:
         """Feeds token_ids after the cached ones; returns the logits of the last `last` of them (all
         when None) as [last, V] on the CPU, float32. Asking only for what is used skips most of the
-        output layer on a prefill, which is a large share of its cost with a 150k vocabulary.
+        output layer on a prefill, which is a large share of its cost with a 150k vocabulary."""
+        return self.forward_batch([(cache, token_ids, last)])[0]
 
-        When a longer input runs faster (see `calibrate`), the ids are padded at the end with copies
-        of the last one: causal attention keeps the real positions' logits unaffected, and the padded
-        positions are cropped from the cache before returning."""
-        n = len(token_ids)
-        padded = self.padded_length.get(n, n)
-        if cache.length + padded > self.max_context:
-            padded = n                                  # never run positions past the context window
-        keep = n if last is None else min(last, n)
-        ids = torch.tensor([token_ids + token_ids[-1:] * (padded - n)], dtype=torch.long,
-                           device=self.device)                                     # [1, padded]
-        out = self.model(input_ids=ids, cache=cache.kv, use_cache=True, logits_to_keep=keep + padded - n)
-        cache.length += padded
-        cache.crop(cache.length - (padded - n))
-        return out.logits[0, :keep].float().cpu()
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[SessionCache, list[int], int | None]]) -> list[torch.Tensor]:
+        """One forward pass over the new tokens of many sessions: (cache, token_ids, last) each, as
+        in `forward`; returns each item's logits. A session may appear once per batch.
+
+        When a longer input runs faster (see `calibrate`), the batch is padded at the end with
+        copies of the last token, appended to the last session: causal attention keeps the real
+        positions unaffected, and the padded positions are dropped from the cache afterwards."""
+        total = sum(len(ids) for _, ids, _ in items)
+        pad = self.padded_length.get(total, total) - total
+        last_cache = items[-1][0]
+        if pad and last_cache.length + len(items[-1][1]) + pad > min(last_cache.capacity, self.max_context):
+            pad = 0                          # never run past the session's run or the context window
+        ids: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        parts: list[tuple[int, int, int]] = []
+        for i, (cache, token_ids, last) in enumerate(items):
+            n = len(token_ids) + (pad if i == len(items) - 1 else 0)
+            if not token_ids or cache.length + n > self.max_context:
+                raise ValueError(f"cannot feed {len(token_ids)} tokens after {cache.length} cached ones "
+                                 f"(context {self.max_context})")
+            cache.reserve(cache.length + n)
+            kept = len(token_ids) if last is None else min(last, len(token_ids))
+            keep.extend(range(len(ids) + len(token_ids) - kept, len(ids) + len(token_ids)))
+            ids.extend(token_ids + token_ids[-1:] * (n - len(token_ids)))
+            positions.extend(range(cache.length, cache.length + n))
+            parts.append((cache.start, cache.length, n))
+        batch = ForwardBatch.build(self.pool, parts)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                         position_ids=torch.tensor([positions], device=self.device), use_cache=False,
+                         logits_to_keep=torch.tensor(keep, device=self.device), tandem_batch=batch)
+        logits = out.logits[0].float().cpu()
+        results, at = [], 0
+        for cache, token_ids, last in items:
+            kept = len(token_ids) if last is None else min(last, len(token_ids))
+            results.append(logits[at:at + kept])
+            at += kept
+            cache.length += len(token_ids)           # padded positions are never counted
+        return results
 
     def calibrate(self, max_new: int, last: int | None = None, context: int = 64, repeats: int = 3,
                   gain: float = 0.85) -> None:
@@ -117,9 +132,10 @@ class CausalLM:
         are measured in turn, `repeats` times, keeping each one's fastest run, so that a burst of
         load from elsewhere cannot make one length look slow. `last`: as the caller will pass it to
         forward (None for every position's logits, as in verification; 1 for drafting)."""
-        cache = SessionCache()
+        context = min(context, self.max_context - max_new - 1)
+        cache = self.new_cache(context + max_new)
         self.padded_length = {}
-        self.forward([0] * min(context, self.max_context - max_new - 1), cache, last=1)
+        self.forward([0] * context, cache, last=1)
         base = cache.length
         times: dict[int, float] = {}
         for n in [1, 2] + [n for _ in range(repeats) for n in range(1, max_new + 1)]:   # warm-up first
@@ -127,6 +143,7 @@ class CausalLM:
             self.forward([0] * n, cache, last)
             times[n] = min(times.get(n, float("inf")), time.perf_counter() - start)
             cache.crop(base)
+        cache.release()
         for n in range(1, max_new + 1):
             best = min(range(n, max_new + 1), key=lambda m: times[m])
             if times[best] <= gain * times[n]:

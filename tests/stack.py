@@ -23,6 +23,7 @@ from gateway.routing import StaticRouter
 from gateway.request import Limits
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
+from tandem.batcher import Batcher
 from tandem.modeling import CausalLM
 from tandem import logs, metrics, telemetry
 from tandem.interceptors import MalformedRequestInterceptor
@@ -31,6 +32,7 @@ from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
 from tandem.v1 import internal_pb2_grpc as internal_grpc
 from verify_worker.engine import VerifyEngine
+from verify_worker.kvstore import SessionKeeper
 from verify_worker.service import VerifyServicer
 
 
@@ -97,10 +99,12 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
     metrics.register(*metrics.SERVICES)       # all three services share this process's registry
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
     v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
-    verify = VerifyServicer(VerifyEngine(target_model), v_thread)
+    verify = VerifyServicer(VerifyEngine(target_model), Batcher(target_model, v_thread),
+                            SessionKeeper(target_model.pool.slots))
     v_server, v_addr = await _serve(lambda s: internal_grpc.add_VerifyServiceServicer_to_server(verify, s))
     draft_servicer = DraftServicer({"ngram": NgramDrafter(), "model": ModelDrafter(draft_model)},
-                                   draft_model.eos_ids, draft_model.vocab_size, d_thread)
+                                   draft_model.eos_ids, draft_model.vocab_size, d_thread,
+                                   batcher=Batcher(draft_model, d_thread))
     d_server, d_addr = await _serve(lambda s: internal_grpc.add_DraftServiceServicer_to_server(draft_servicer, s))
     from transformers import AutoTokenizer
     core = GenerationCore(AutoTokenizer.from_pretrained(str(target)), str(target), target_model.max_context,

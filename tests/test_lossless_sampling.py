@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tandem.modeling import SessionCache
 from tandem.sampling import SamplingParams, probabilities
 from draft_worker.local import speculate
 from verify_worker.engine import VerifyEngine
@@ -23,14 +22,14 @@ def chi2_threshold(dof: int, z: float = 3.09) -> float:
 
 
 def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int], float]:
-    cache = SessionCache()
+    cache = model.new_cache()
     p1 = probabilities(model.forward(prompt, cache)[-1:], params)[0]
     joint = {}
     for t1 in p1.nonzero().flatten().tolist():
         if t1 in model.eos_ids:
             joint[(t1, t1)] = float(p1[t1])
             continue
-        p2 = probabilities(model.forward(prompt + [t1], SessionCache())[-1:], params)[0]
+        p2 = probabilities(model.forward(prompt + [t1], model.new_cache())[-1:], params)[0]
         for t2 in p2.nonzero().flatten().tolist():
             joint[(t1, t2)] = float(p1[t1] * p2[t2])
     return joint
@@ -56,7 +55,7 @@ def lookup_friendly_prompt(model, params) -> list[int]:
     for _ in range(2000):
         r = torch.randint(1, model.vocab_size, (12,), generator=g).tolist()
         prompt = r + r[:6]
-        p = probabilities(model.forward(prompt, SessionCache())[-1:], params)[0]
+        p = probabilities(model.forward(prompt, model.new_cache())[-1:], params)[0]
         if 0.15 <= float(p[r[6]]) <= 0.85:
             return prompt
     raise AssertionError("no prompt found where the lookup proposal is plausible")

@@ -5,7 +5,7 @@ import torch
 
 from draft_worker.drafters import ModelDrafter
 from draft_worker.local import reference, speculate
-from tandem.modeling import CausalLM, SessionCache
+from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams
 from verify_worker.engine import VerifyEngine
 
@@ -13,7 +13,7 @@ from verify_worker.engine import VerifyEngine
 def test_padded_forward_keeps_logits_and_cache(tiny_pair):
     plain, padded = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]))
     padded.padded_length = {1: 4, 2: 8, 3: 4}
-    a, b = SessionCache(), SessionCache()
+    a, b = plain.new_cache(), padded.new_cache()
     full = []
     for feed in ([5, 6, 7], [8], [9, 10], [11]):
         la, lb = plain.forward(feed, a), padded.forward(feed, b)
@@ -21,8 +21,7 @@ def test_padded_forward_keeps_logits_and_cache(tiny_pair):
         assert lb.shape == la.shape == (len(feed), plain.vocab_size)
         assert torch.allclose(la, lb, atol=1e-4), feed
         assert b.length == a.length
-        assert b.kv.get_seq_length() == a.kv.get_seq_length() == a.length
-    c = SessionCache()
+    c = padded.new_cache()
     for i, feed in enumerate(([5, 6, 7], [8], [9, 10])):      # only the last row, padded or not
         tail = padded.forward(feed, c, last=1)
         assert tail.shape == (1, plain.vocab_size)
@@ -85,10 +84,10 @@ def test_no_padding_past_the_context_window(tiny_pair):
     fed = []
     inner = model.model
     model.model = lambda **kw: fed.append(kw["input_ids"].shape[1]) or inner(**kw)    # records input lengths
-    cache = SessionCache()
+    cache = model.new_cache()
     model.forward([7] * 100, cache, last=1)
     model.forward([8], cache)                 # room to spare: padded
     model.forward([7] * (model.max_context - 104), cache, last=1)
     model.forward([8], cache)                 # 8 positions would run past the window: fed as 1
     assert fed == [100, 8, model.max_context - 104, 1]
-    assert cache.length == cache.kv.get_seq_length() == model.max_context - 2
+    assert cache.length == model.max_context - 2

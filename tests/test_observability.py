@@ -183,18 +183,18 @@ def test_inference_queue_depth_gauge():
     from tandem.server import InferenceThread
     gate = threading.Event()
 
-    metrics.register("verify_worker")
+    metrics.register("draft_worker")
 
     async def main():
-        thread = InferenceThread("verify")
-        base = REGISTRY.get_sample_value("tandem_verify_queue_depth")
+        thread = InferenceThread("draft")
+        base = REGISTRY.get_sample_value("tandem_draft_queue_depth")
         jobs = [asyncio.ensure_future(thread.run(gate.wait)) for _ in range(3)]
         await asyncio.sleep(0.1)
-        depth = REGISTRY.get_sample_value("tandem_verify_queue_depth") - base    # one runs, two wait
+        depth = REGISTRY.get_sample_value("tandem_draft_queue_depth") - base    # one runs, two wait
         gate.set()
         await asyncio.gather(*jobs)
         thread.shutdown()
-        return depth, REGISTRY.get_sample_value("tandem_verify_queue_depth") - base
+        return depth, REGISTRY.get_sample_value("tandem_draft_queue_depth") - base
 
     assert asyncio.run(main()) == (2, 0)
 

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
+from tandem.kvpool import KVPool, SessionCache
 from tandem.redis_conn import RedisServer, check_url, connect, redacted
 from tandem.registry import DRAFT, VERIFY, Heartbeat, Registry, WorkerInfo
 from tandem.sampling import SamplingParams
@@ -105,8 +106,11 @@ async def test_unreachable_redis_fails_fast():
     await c.aclose()
 
 
+POOL = KVPool(layers=1, kv_heads=1, head_dim=1, slots=1000)
+
+
 def _finished(session_id: str, n: int) -> TargetSession:
-    s = TargetSession(session_id, SamplingParams(), 1, list(range(n)))
+    s = TargetSession(session_id, SamplingParams(), 1, list(range(n)), SessionCache(POOL, n - 1))
     s.cache.length = n - 1
     return s
 

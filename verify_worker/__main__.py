@@ -7,7 +7,10 @@ import asyncio
 import logging
 import time
 
-from tandem.config import add_common_flags, add_flag, add_model_flags, add_worker_flags, check_worker_flags
+from tandem import metrics
+from tandem.batcher import Batcher
+from tandem.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags, add_worker_flags,
+                           check_kv_flags, check_worker_flags)
 from tandem.modeling import CausalLM
 from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.server import InferenceThread, service_from_args, setup_observability
@@ -24,34 +27,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_flags(parser, default_port=50052, default_metrics_port=9091)
     add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
-    add_flag(parser, "--kv-budget-tokens", default=32768, type=int,
-             help="KV cache positions all sessions may hold together; finished sessions are evicted "
-                  "least recently used first (0 = unbounded)")
+    add_kv_flags(parser, default_tokens=32768)
+    add_flag(parser, "--max-batch-tokens", default=512, type=int,
+             help="most tokens (all sessions' proposals and prefill chunks) in one batched forward pass")
+    add_flag(parser, "--prefill-chunk", default=256, type=int,
+             help="a prompt is prefilled in pieces of at most this many tokens, so that a long one "
+                  "cannot stall the other sessions' rounds")
+    add_flag(parser, "--admission-timeout", default=5.0, type=float,
+             help="seconds a request waits for KV cache space before RESOURCE_EXHAUSTED")
     add_worker_flags(parser)
     return parser.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
-    if args.kv_budget_tokens < 0:
-        raise SystemExit(f"--kv-budget-tokens must be >= 0 (0 = unbounded), got {args.kv_budget_tokens}")
+    check_kv_flags(args)
+    for flag in ("max_batch_tokens", "prefill_chunk"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.admission_timeout < 0:
+        raise SystemExit(f"--admission-timeout must be >= 0, got {args.admission_timeout}")
     inference = InferenceThread("verify")
 
     def load() -> CausalLM:
-        model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype)
+        model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+                         kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20)
         if args.calibrate:
             model.calibrate(args.max_proposal + 1)
         return model
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
-    servicer = VerifyServicer(engine, inference, SessionKeeper(args.kv_budget_tokens))
+    batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens)
+    batcher.observe = lambda sessions, tokens: (metrics.BATCH_SESSIONS.observe(sessions),
+                                                metrics.BATCH_TOKENS.observe(tokens))
+    keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
+    servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk)
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()
 
     def describe() -> WorkerInfo:
-        return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=args.kv_budget_tokens,
+        return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
                           load=len(servicer.sessions), kv_free=servicer.keeper.free(), started_at=started)
 
     heartbeat = heartbeat_for(args, describe)

@@ -5,7 +5,7 @@ Everything here runs on the worker's single inference thread; nothing here knows
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +35,7 @@ class TargetSession:
     params: SamplingParams
     prompt_len: int
     tokens: list[int]                  # prompt + generated, all committed
-    cache: SessionCache = field(default_factory=SessionCache)
+    cache: SessionCache
     generator: torch.Generator | None = None
     stop_reason: int = STOP_NONE
 
@@ -56,43 +56,70 @@ class VerifyEngine:
         self.model = model
         self.max_proposal = max_proposal
 
+    def capacity(self, prompt_len: int, params: SamplingParams) -> int:
+        """KV positions a session reserves: its prompt, every token it may generate, and one
+        proposal's worth beyond, capped at the context window."""
+        return min(prompt_len + params.max_new_tokens + self.max_proposal + 1, self.model.max_context)
+
     def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
              reuse: TargetSession | None = None) -> TargetSession:
-        """Prefills all prompt tokens but the last; that one is fed with the first proposal, whose
-        distribution it predicts. `reuse`, an earlier turn of the same session, lends its cache:
-        only the positions after the prefix it shares with prompt_ids are computed."""
+        """A session with its KV reserved; `prefill_chunks` says what to feed before the first
+        proposal. `reuse`, an earlier turn of the same session, lends its cache: only the positions
+        after the prefix it shares with prompt_ids are computed. Raises KVPoolFull."""
         self._check_ids(prompt_ids, "prompt token")
         if not prompt_ids:
             raise ProtocolError("prompt_ids must not be empty")
         if len(prompt_ids) >= self.model.max_context:
             raise ProtocolError(f"prompt is {len(prompt_ids)} tokens; the model's context is "
                                 f"{self.model.max_context}")
-        s = TargetSession(session_id, params, len(prompt_ids), list(prompt_ids),
-                          generator=make_generator(params.seed, stream=0))
+        need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
             reuse.cache.crop(min(common_prefix(reuse.tokens, prompt_ids), len(prompt_ids) - 1))
-            s.cache = reuse.cache
-        if len(prompt_ids) - 1 > s.cache.length:
-            self.model.forward(prompt_ids[s.cache.length:-1], s.cache, last=1)
-        return s
+            reuse.cache.reserve(need)
+            cache = reuse.cache
+        else:
+            cache = self.model.new_cache(need)
+        return TargetSession(session_id, params, len(prompt_ids), list(prompt_ids), cache,
+                             generator=make_generator(params.seed, stream=0))
 
-    def verify(self, s: TargetSession, proposed: list[int],
-               draft_probs: torch.Tensor | None = None) -> VerdictResult:
-        """One forward pass over [last committed token] + proposed (k+1 positions).
+    @staticmethod
+    def prefill_chunks(s: TargetSession, chunk: int) -> list[list[int]]:
+        """The prompt tokens still to feed (all but the last, which goes with the first proposal,
+        whose distribution it predicts), in pieces of at most `chunk`."""
+        todo = s.tokens[s.cache.length:s.prompt_len - 1]
+        return [todo[i:i + chunk] for i in range(0, len(todo), chunk)]
 
-        draft_probs: [k, V] q the proposal was sampled from, or None (greedy or deterministic).
-        """
+    def prefill(self, s: TargetSession, chunk: int = 1 << 30) -> None:
+        for piece in self.prefill_chunks(s, chunk):
+            self.model.forward(piece, s.cache, last=1)
+
+    def verify_input(self, s: TargetSession, proposed: list[int]) -> list[int]:
+        """Checks a proposal; returns the k+1 tokens to feed: the last committed one + proposed."""
         if s.stop_reason != STOP_NONE:
             raise ProtocolError(f"session {s.session_id} has already finished")
         k = len(proposed)
         if k > self.max_proposal:
             raise ProtocolError(f"proposal of {k} tokens exceeds this worker's limit of {self.max_proposal}")
         self._check_ids(proposed, "proposed token")
+        if len(s.tokens) + k > self.model.max_context:
+            raise ProtocolError(f"proposal of {k} tokens runs past the context window "
+                                f"({len(s.tokens)} of {self.model.max_context} positions used)")
+        if s.cache.length != len(s.tokens) - 1:
+            raise ProtocolError(f"session {s.session_id} is not prefilled")
+        return [s.tokens[-1], *proposed]
+
+    def judge(self, s: TargetSession, proposed: list[int], draft_probs: torch.Tensor | None,
+              logits: torch.Tensor) -> VerdictResult:
+        """The verdict on a proposal from the target's logits [k+1, V] over verify_input's tokens,
+        which the cache now holds; rejected positions are rolled back.
+
+        draft_probs: [k, V] q the proposal was sampled from, or None (greedy or deterministic)."""
+        k = len(proposed)
+        base = s.cache.length - (k + 1)                           # == len(s.tokens) - 1
         if draft_probs is not None and tuple(draft_probs.shape) != (k, self.model.vocab_size):
+            s.cache.crop(base)
             raise ProtocolError(f"draft distributions have shape {tuple(draft_probs.shape)}, "
                                 f"expected ({k}, {self.model.vocab_size})")
-        base = s.cache.length                                     # == len(s.tokens) - 1
-        logits = self.model.forward([s.tokens[-1], *proposed], s.cache)   # [k+1, V]
         logits = suppress_eos(logits, self.model.eos_ids, s.generated, s.params.min_new_tokens)
         proposed_t = torch.tensor(proposed, dtype=torch.long)      # [k]
         if s.params.greedy:
@@ -104,6 +131,12 @@ class VerifyEngine:
         # Keep the last committed token and the accepted ones; rejected positions are dropped.
         s.cache.crop(base + 1 + outcome.accepted)
         return self._commit(s, outcome.accepted, [*proposed[:outcome.accepted], outcome.next_token])
+
+    def verify(self, s: TargetSession, proposed: list[int],
+               draft_probs: torch.Tensor | None = None) -> VerdictResult:
+        """One forward pass over [last committed token] + proposed (k+1 positions), on its own."""
+        tokens = self.verify_input(s, proposed)
+        return self.judge(s, proposed, draft_probs, self.model.forward(tokens, s.cache))
 
     def decode(self, s: TargetSession) -> VerdictResult:
         """Plain decoding: one target token, no proposal."""

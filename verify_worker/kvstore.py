@@ -1,13 +1,15 @@
 """The verify worker's KV budget, in tokens, and the finished sessions kept for their next turn.
 
-A live session reserves prompt + max_new_tokens positions (capped at the context window) up front,
-so it can never run out mid-stream. A finished session stays idle with its cache, keyed by session
+A live session reserves prompt + max_new_tokens + one proposal's positions (capped at the context
+window) up front, so it can never run out mid-stream. A session that does not fit waits in the
+admission queue until space frees or its wait times out. A finished session stays idle with its cache, keyed by session
 id, until its next turn takes it back or the space is needed: then the least recently used idle
 session is evicted (its next turn is rebuilt from the token history the gateway keeps in Redis).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 
 from tandem import metrics, telemetry
@@ -15,12 +17,20 @@ from verify_worker.engine import TargetSession
 
 
 class KVBudgetExceeded(Exception):
-    """A request that does not fit in the KV budget (RESOURCE_EXHAUSTED)."""
+    """A request that does not fit in the KV budget now (RESOURCE_EXHAUSTED after its wait), or
+    ever (`never`: RESOURCE_EXHAUSTED at once)."""
+
+    def __init__(self, message: str, never: bool = False) -> None:
+        super().__init__(message)
+        self.never = never
 
 
 class SessionKeeper:
-    def __init__(self, budget_tokens: int) -> None:
+    def __init__(self, budget_tokens: int, admission_timeout: float = 0.0) -> None:
         self.budget = budget_tokens           # 0 = unbounded
+        self.admission_timeout = admission_timeout
+        self.waiting = 0                      # requests in the admission queue
+        self._space = asyncio.Event()         # set when a reservation ends or an idle session goes
         self.live: dict[int, int] = {}        # reserved tokens by stream
         self.live_ids: dict[str, int] = {}    # the stream that owns each live session id
         self.idle: OrderedDict[str, TargetSession] = OrderedDict()   # least recently used first
@@ -40,22 +50,43 @@ class SessionKeeper:
         the old draft worker's death) moves to the new stream: the old one no longer owns it
         (see owns) and is refused on its next message, so the two never both extend it."""
         if self.budget and need > self.budget:
-            raise KVBudgetExceeded(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens); "
-                                   f"this worker's budget is {self.budget}")
+            raise KVBudgetExceeded(f"the request needs {need} tokens of KV cache (prompt + max_new_tokens "
+                                   f"+ one proposal); this worker's budget is {self.budget}", never=True)
         reserved = sum(self.live.values())
         if self.budget and reserved + need > self.budget:     # checked first: evict nothing in vain
             raise KVBudgetExceeded(f"KV budget full: {len(self.live)} live sessions hold {reserved} of "
                                    f"{self.budget} tokens; the request needs {need}")
         reuse = self.idle.pop(session_id, None) if session_id else None
         while self.budget and self.idle and reserved + need + self._idle_tokens() > self.budget:
-            evicted, session = self.idle.popitem(last=False)
-            self.evictions += 1
-            metrics.EVICTIONS.inc()
-            telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
+            self.evict_one()
         self.live[stream] = need
         if session_id:
             self.live_ids[session_id] = stream
         return reuse
+
+    def evict_one(self) -> bool:
+        """Drops the least recently used idle session and frees its KV; False when none is idle."""
+        if not self.idle:
+            return False
+        evicted, session = self.idle.popitem(last=False)
+        self.evictions += 1
+        metrics.EVICTIONS.inc()
+        telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
+        session.cache.release()
+        return True
+
+    async def wait_for_space(self, timeout: float) -> None:
+        """Waits in the admission queue until some reservation ends (or `timeout` seconds pass)."""
+        self.waiting += 1
+        metrics.ADMISSION_WAITING.inc()
+        try:
+            self._space.clear()
+            await asyncio.wait_for(self._space.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.waiting -= 1
+            metrics.ADMISSION_WAITING.dec()
 
     def owns(self, stream: int, session_id: str) -> bool:
         return not session_id or self.live_ids.get(session_id) == stream
@@ -67,9 +98,10 @@ class SessionKeeper:
         if self.live.pop(stream, None) is not None:
             for sid in [s for s, owner in self.live_ids.items() if owner == stream]:
                 del self.live_ids[sid]
+            self._space.set()
         if keep and session is not None and session.session_id:
             self.idle.pop(session.session_id, None)
             self.idle[session.session_id] = session
 
     def _idle_tokens(self) -> int:
-        return sum(s.cache.length for s in self.idle.values())
+        return sum(s.cache.capacity for s in self.idle.values())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from tandem import logs, metrics, telemetry, wire
-from tandem.server import InferenceThread
+from tandem.batcher import Batcher, Ran
+from tandem.kvpool import KVPoolFull
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from tandem.telemetry import round_attributes
@@ -19,11 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
-    def __init__(self, engine: VerifyEngine, inference: InferenceThread,
-                 keeper: SessionKeeper | None = None) -> None:
+    def __init__(self, engine: VerifyEngine, batcher: Batcher, keeper: SessionKeeper | None = None,
+                 prefill_chunk: int = 256) -> None:
         self.engine = engine
-        self.inference = inference
+        self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
+        self.prefill_chunk = prefill_chunk
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
         self._export_gauges()
 
@@ -33,13 +36,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         def used() -> int:
             # Read on the metrics server's thread while the event loop changes the dicts: copy
             # them in one step (list() of a dict view holds the GIL) before summing.
-            return sum(list(keeper.live.values())) + sum(s.cache.length for s in list(keeper.idle.values()))
+            return sum(list(keeper.live.values())) + sum(s.cache.capacity for s in list(keeper.idle.values()))
 
         metrics.gauge_from(metrics.VERIFY_RUNNING, lambda: len(self.sessions))
         metrics.gauge_from(metrics.VERIFY_IDLE, lambda: len(keeper.idle))
         metrics.gauge_from(metrics.KV_USED, used)
         metrics.gauge_from(metrics.KV_BUDGET, lambda: keeper.budget)
         metrics.gauge_from(metrics.KV_USAGE, lambda: used() / keeper.budget if keeper.budget else 0.0)
+        metrics.gauge_from(metrics.VERIFY_QUEUE, lambda: self.batcher.waiting + keeper.waiting)
+        metrics.gauge_from(metrics.KV_POOL_BYTES, lambda: self.engine.model.pool.nbytes)
 
     async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
@@ -49,18 +54,18 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             params = wire.check_params(wire.params_from_proto(sampling))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        need = min(len(prompt_ids) + params.max_new_tokens, self.engine.model.max_context)
+        need = self.engine.capacity(len(prompt_ids), params)
         try:
-            reuse = self.keeper.admit(id(context), session_id, need)
-        except KVBudgetExceeded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-
-        cached = 0
-        if reuse is not None:
-            cached = min(common_prefix(reuse.tokens, prompt_ids), reuse.cache.length, len(prompt_ids) - 1)
+            session = await self._admit(context, session_id, prompt_ids, params, need)
+        except ProtocolError as e:
+            self.keeper.release(id(context), None, keep=False)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        cached = session.cache.length
         with telemetry.span("prefill", {"tandem.prompt_tokens": len(prompt_ids),
                                         "tandem.cached_prompt_tokens": cached}) as span:
-            session, seconds = await self._call(context, self.engine.open, session_id, prompt_ids, params, reuse)
+            seconds = 0.0
+            for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
+                seconds += (await self.batcher.forward(session.cache, chunk, last=1)).seconds
             if span is not None:
                 span.set_attribute("tandem.verify_seconds", seconds)
         self.sessions[id(context)] = session
@@ -68,6 +73,36 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.PREFILL_TOKENS.labels("computed").inc(max(0, computed))
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
         return session, cached
+
+    async def _admit(self, context, session_id: str, prompt_ids: list[int], params, need: int) -> TargetSession:
+        """Reserves KV for the session, waiting in the admission queue while the pool is full;
+        RESOURCE_EXHAUSTED when it stays full past the admission timeout (or the request could
+        never fit)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.keeper.admission_timeout
+        compacted = False
+        while True:
+            try:
+                reuse = self.keeper.admit(id(context), session_id, need)
+                try:
+                    return self.engine.open(session_id, prompt_ids, params, reuse)
+                except KVPoolFull:
+                    # Within budget, but no run of free slots is long enough: compact the pool
+                    # once, then evict idle turns, then wait like any request that does not fit.
+                    self.keeper.release(id(context), None, keep=False)
+                    if not compacted:
+                        compacted = True
+                        await self.batcher.between_passes(self.engine.model.pool.compact)
+                        continue
+                    if self.keeper.evict_one():
+                        continue
+                    raise KVBudgetExceeded(f"KV pool fragmented: no free run of {need} positions") from None
+            except KVBudgetExceeded as e:
+                left = deadline - loop.time()
+                if e.never or left <= 0:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                compacted = False
+                await self.keeper.wait_for_space(left)
 
     def _close(self, context) -> None:
         session = self.sessions.pop(id(context), None)
@@ -101,13 +136,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if not self.keeper.owns(id(context), session.session_id):
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             f"session {session.session_id} was reopened on another stream")
-                    verdict, seconds = await self._call(context, self._verify, session,
-                                                        list(req.proposal.token_ids), req.proposal.distributions)
-                    metrics.VERIFY_SECONDS.observe(seconds)
+                    ran = await self._verify(context, session, list(req.proposal.token_ids),
+                                             req.proposal.distributions)
+                    verdict = ran.value
+                    metrics.VERIFY_SECONDS.observe(ran.seconds)
                     # The draft worker's round span records this, next to its round-trip time.
                     yield pb.VerifyResponse(verdict=pb.Verdict(
                         accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
-                        verify_seconds=seconds, batch_size=1))
+                        verify_seconds=ran.seconds, batch_size=ran.batch_size))
                     if verdict.stop_reason != STOP_NONE:
                         return
                 else:
@@ -122,10 +158,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             first = True
             while True:
                 with telemetry.span("decode round") as span:
-                    verdict, seconds = await self._call(context, self.engine.decode, session)
+                    ran = await self._verify(context, session, [], ())
+                    verdict = ran.value
                     if span is not None:
-                        span.set_attributes(round_attributes(0, 0, verdict.token_ids, 1, seconds))
-                metrics.VERIFY_SECONDS.observe(seconds)
+                        span.set_attributes(round_attributes(0, 0, verdict.token_ids, ran.batch_size, ran.seconds))
+                metrics.VERIFY_SECONDS.observe(ran.seconds)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                                     cached_tokens=cached if first else 0)
                 first = False
@@ -141,18 +178,22 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle),
                                reserved_kv_tokens=sum(self.keeper.live.values()))
 
-    def _verify(self, session: TargetSession, tokens: list[int], distributions) -> VerdictResult:
-        """On the inference thread, like every torch op of this process (see InferenceThread)."""
-        try:
-            q = wire.dense_draft_probs(distributions, len(tokens), self.engine.model.vocab_size)
-        except ValueError as e:
-            raise ProtocolError(str(e)) from None
-        # greedy verification needs no draft distributions
-        return self.engine.verify(session, tokens, None if session.params.greedy else q)
+    async def _verify(self, context, session: TargetSession, tokens: list[int], distributions) -> Ran:
+        """One round in the next batch; a bad proposal aborts this stream only (INVALID_ARGUMENT)."""
 
-    async def _call(self, context, fn, *args):
-        """(fn's result, seconds it ran on the inference thread); a ProtocolError aborts the RPC."""
+        def judge(logits):
+            # On the inference thread, like every torch op of this process (see InferenceThread).
+            q = None
+            if not session.params.greedy:       # greedy verification needs no draft distributions
+                try:
+                    q = wire.dense_draft_probs(distributions, len(tokens), self.engine.model.vocab_size)
+                except ValueError as e:
+                    session.cache.crop(len(session.tokens) - 1)
+                    raise ProtocolError(str(e)) from None
+            return self.engine.judge(session, tokens, q, logits)
+
         try:
-            return await self.inference.run_timed(fn, *args)
-        except ProtocolError as e:
+            feed = self.engine.verify_input(session, tokens)
+            return await self.batcher.forward(session.cache, feed, None, judge)
+        except (ProtocolError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,0 +1,136 @@
+"""Continuous batching: forward passes asked for by many sessions run together.
+
+Sessions queue work on the event loop. Whenever the inference thread is free, everything queued
+(up to a token budget) becomes one forward pass; each item's follow-up (verification, sampling)
+runs on the inference thread right after, and its result goes back to the session that asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.kvpool import KVPoolFull, SessionCache
+from tandem.modeling import CausalLM
+from tandem.server import InferenceThread
+
+
+@dataclass
+class Ran:
+    value: Any           # what the item's follow-up returned (its logits when it had none)
+    seconds: float       # the whole batch's forward pass and follow-ups
+    batch_size: int      # sessions taken into that pass
+    batch_tokens: int    # tokens in that pass
+
+
+@dataclass
+class _Item:
+    cache: SessionCache
+    tokens: list[int]
+    last: int | None
+    then: Callable | None
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Batcher:
+    def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512) -> None:
+        self.model, self.inference, self.max_tokens = model, inference, max_tokens
+        self._queue: deque[_Item] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.observe: Callable[[int, int], None] = lambda sessions, tokens: None   # per pass, for metrics
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def between_passes(self, fn: Callable, *args) -> Any:
+        """Runs fn on the inference thread between two forward passes."""
+        return await self.inference.run(fn, *args)
+
+    async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
+                      then: Callable | None = None) -> Ran:
+        """Feeds `tokens` after `cache`'s in the next batch with room; `then(logits)` runs on the
+        inference thread after the pass. Exceptions from the pass or from `then` are raised here."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="batcher")
+        item = _Item(cache, tokens, last, then)
+        self._queue.append(item)
+        self._wake.set()
+        return await item.future
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take()
+                try:
+                    outcomes, seconds = await self.inference.run_timed(self._run, batch)
+                except Exception as e:           # the pass itself failed: every item hears of it
+                    outcomes, seconds = [e] * len(batch), 0.0
+                tokens = sum(len(i.tokens) for i in batch)
+                self.observe(len(batch), tokens)
+                for item, outcome in zip(batch, outcomes):
+                    if item.future.done():       # the session gave up (cancelled) meanwhile
+                        continue
+                    if isinstance(outcome, Exception):
+                        item.future.set_exception(outcome)
+                    else:
+                        item.future.set_result(Ran(outcome, seconds, len(batch), tokens))
+
+    def _take(self) -> list[_Item]:
+        """FIFO up to the token budget (the first item always goes); one item per session, so a
+        session's second request waits for the pass after its first."""
+        batch: list[_Item] = []
+        skipped: list[_Item] = []
+        tokens = 0
+        seen: set[int] = set()
+        while self._queue:
+            item = self._queue[0]
+            if batch and tokens + len(item.tokens) > self.max_tokens:
+                break
+            self._queue.popleft()
+            if item.future.done():
+                continue
+            if id(item.cache) in seen:
+                skipped.append(item)
+                continue
+            seen.add(id(item.cache))
+            batch.append(item)
+            tokens += len(item.tokens)
+        self._queue.extendleft(reversed(skipped))
+        return batch
+
+    def _run(self, batch: list[_Item]) -> list[Any]:
+        """On the inference thread: room for every item first (an item that cannot get it fails
+        alone), one forward pass, then each follow-up."""
+        outcomes: list[Any] = [None] * len(batch)
+        ready = []
+        for i, item in enumerate(batch):
+            total = item.cache.length + len(item.tokens)
+            if not item.tokens or total > self.model.max_context:
+                outcomes[i] = ValueError(f"cannot feed {len(item.tokens)} tokens after {item.cache.length} "
+                                         f"cached ones (context {self.model.max_context})")
+                continue
+            try:
+                try:
+                    item.cache.reserve(total)
+                except KVPoolFull:
+                    self.model.pool.compact()        # between passes: safe to move runs
+                    item.cache.reserve(total)
+                ready.append(i)
+            except KVPoolFull as e:
+                outcomes[i] = e
+        if ready:
+            logits = self.model.forward_batch([(batch[i].cache, batch[i].tokens, batch[i].last) for i in ready])
+            for i, rows in zip(ready, logits):
+                then = batch[i].then
+                try:
+                    outcomes[i] = then(rows) if then is not None else rows
+                except Exception as e:           # one session's bad proposal fails that session only
+                    outcomes[i] = e
+        return outcomes

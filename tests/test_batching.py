@@ -1,0 +1,210 @@
+"""The KV pool, batched forward passes, and continuous batching across sessions stay lossless."""
+
+import asyncio
+import gc
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draft_worker.local import reference
+from tandem.batcher import Batcher
+from tandem.client import build_request
+from tandem.kvpool import KVPool, KVPoolFull, SessionCache
+from tandem.launch import Stack
+from tandem.modeling import CausalLM
+from tandem.sampling import SamplingParams
+from tandem.server import InferenceThread
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.v1 import internal_pb2 as ipb
+from tandem.v1 import internal_pb2_grpc as ipb_grpc
+from tests.test_observability import scrape
+
+
+def test_pool_allocates_first_fit_coalesces_and_frees_on_collection():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=1, slots=10)
+    a, b, c = SessionCache(pool, 3), SessionCache(pool, 3), SessionCache(pool, 4)
+    assert (a.start, b.start, c.start, pool.free_slots()) == (0, 3, 6, 0)
+    with pytest.raises(KVPoolFull, match="no run of 1 free slots"):
+        SessionCache(pool, 1)
+    a.release()
+    c.release()
+    with pytest.raises(KVPoolFull):
+        SessionCache(pool, 5)                      # 7 free, but in runs of 3 and 4
+    del b
+    gc.collect()
+    assert pool.free_slots() == 10 and SessionCache(pool, 10).start == 0
+
+
+def test_compact_gathers_free_slots_into_one_run_and_keeps_contents():
+    pool = KVPool(layers=2, kv_heads=1, head_dim=2, slots=10)
+    a, b, c = SessionCache(pool, 3), SessionCache(pool, 3), SessionCache(pool, 4)
+    c.length = 2
+    pool.keys[:, :, 6:8] = 7.0
+    a.release()
+    with pytest.raises(KVPoolFull):
+        SessionCache(pool, 4)
+    assert pool.compact() == 2                      # c's two filled positions moved; b had none
+    assert (b.start, c.start, pool.free_slots()) == (0, 3, 3)
+    assert torch.equal(pool.keys[:, :, 3:5], torch.full((2, 1, 2, 2), 7.0))
+    assert SessionCache(pool, 3).start == 7
+
+
+def test_cache_grows_by_moving_once_and_keeps_its_contents(tiny_pair):
+    model = CausalLM(str(tiny_pair[0]), kv_tokens=64)
+    grown, fresh = model.new_cache(4), model.new_cache(40)
+    ids = list(range(3, 23))
+    model.forward(ids[:3], grown)
+    start = grown.start
+    tail = model.forward(ids[3:], grown)           # 20 positions do not fit in 4: moves
+    assert grown.start != start and grown.capacity >= 20
+    assert torch.allclose(tail, model.forward(ids, fresh)[3:], atol=1e-5)
+
+
+def test_batched_forward_equals_transformers_on_each_sequence(tiny_pair):
+    model = CausalLM(str(tiny_pair[0]), kv_tokens=256)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()  # transformers' own attention
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 17)]
+    with torch.no_grad():
+        full = [ref(torch.tensor([s])).logits[0] for s in seqs]
+    caches = [model.new_cache(8) for _ in seqs]
+    out = model.forward_batch([(c, s[:3], None) for c, s in zip(caches, seqs)])
+    for o, f in zip(out, full):
+        assert torch.allclose(o, f[:3], atol=1e-4)
+    # different lengths and new-token counts in one pass, one item asking for its last row only
+    out = model.forward_batch([(caches[0], seqs[0][3:4], None), (caches[1], seqs[1][3:9], None),
+                               (caches[2], seqs[2][3:17], 1)])
+    assert torch.allclose(out[0], full[0][3:4], atol=1e-4)
+    assert torch.allclose(out[1], full[1][3:9], atol=1e-4)
+    assert out[2].shape == (1, model.vocab_size) and torch.allclose(out[2], full[2][16:17], atol=1e-4)
+    caches[1].crop(5)                              # rollback: positions 5.. are recomputed
+    out = model.forward_batch([(caches[1], seqs[1][5:11], None), (caches[0], seqs[0][4:6], None)])
+    assert torch.allclose(out[0], full[1][5:11], atol=1e-4)
+    assert torch.allclose(out[1], full[0][4:6], atol=1e-4)
+
+
+def test_batcher_runs_concurrent_sessions_in_shared_passes(tiny_models):
+    """Sessions of different prompt lengths decode at once; each gets its own greedy output, and
+    the passes really were shared."""
+    model = tiny_models[0]
+    params = SamplingParams(max_new_tokens=12)
+    prompts = [[3, 17, 42, 9], [100, 101, 7, 8, 9, 10, 11], [5], list(range(20, 45))]
+    sizes: list[int] = []
+
+    async def decode(batcher, prompt):
+        cache = model.new_cache(len(prompt) + params.max_new_tokens)
+        logits = (await batcher.forward(cache, prompt, 1)).value
+        out = []
+        while len(out) < params.max_new_tokens:
+            t = int(logits[0].argmax())
+            if t in model.eos_ids:
+                break
+            out.append(t)
+            logits = (await batcher.forward(cache, [t], 1)).value
+        return out
+
+    async def main():
+        thread = InferenceThread("test-batcher")
+        batcher = Batcher(model, thread)
+        batcher.observe = lambda sessions, tokens: sizes.append(sessions)
+        try:
+            return await asyncio.gather(*(decode(batcher, p) for p in prompts))
+        finally:
+            thread.shutdown()
+
+    outputs = asyncio.run(main())
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference(model, prompt, params)
+    assert max(sizes) == len(prompts)
+
+
+def test_batcher_fails_only_the_item_that_breaks(tiny_models):
+    model = tiny_models[0]
+
+    async def main():
+        thread = InferenceThread("test-batcher-errors")
+        batcher = Batcher(model, thread)
+        good, bad, raising = model.new_cache(8), model.new_cache(8), model.new_cache(8)
+        bad.length = model.max_context - 1           # two more tokens would pass the context
+
+        def boom(logits):
+            raise RuntimeError("a bad follow-up")
+        try:
+            return await asyncio.gather(batcher.forward(good, [1, 2], 1), batcher.forward(bad, [1, 2], 1),
+                                        batcher.forward(raising, [1, 2], 1, boom), return_exceptions=True)
+        finally:
+            thread.shutdown()
+
+    ok, too_long, failed = asyncio.run(main())
+    assert ok.value.shape == (1, model.vocab_size) and ok.batch_size == 3
+    assert isinstance(too_long, ValueError) and "context" in str(too_long)
+    assert isinstance(failed, RuntimeError)
+
+
+@pytest.fixture(scope="module")
+def small_pool_stack(tiny_pair, redis_server):
+    """A verify worker whose pool holds two requests of 200 positions (prompt + 160 new + 17)."""
+    target, draft = tiny_pair
+    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url,
+               verify_args=["--kv-budget-tokens", "450", "--admission-timeout", "1"],
+               draft_args=["--no-adaptive-k"]) as s:
+        yield s
+
+
+def test_concurrent_streams_through_the_service_match_greedy(small_pool_stack, tiny_pair, tiny_models):
+    """Eight streams at once (model, n-gram and plain decoding mixed) share the verify worker's
+    passes; each output equals the target's greedy output for that request alone."""
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    cases = [(p, m, k) for p in ("def add(a, b):", "for i in range(10):\n", "class Point:", "x = np.zeros(")
+             for m, k in (("model", 4), ("ngram", 3))]
+    cases[1] = (cases[1][0], "none", 0)
+
+    async def main():
+        async with grpc.aio.insecure_channel(small_pool_stack.address("gateway")) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            return await asyncio.gather(*(stub.Generate(build_request(p, max_new_tokens=20, method=m, k=k),
+                                                        timeout=120) for p, m, k in cases))
+
+    for (prompt, _, _), r in zip(cases, asyncio.run(main())):
+        expected = reference(tiny_models[0], tok(prompt).input_ids, SamplingParams(max_new_tokens=20))
+        assert r.text == tok.decode(expected, skip_special_tokens=True)
+    samples = scrape(small_pool_stack, "verify_worker")
+    single = samples[("tandem_verify_batch_sessions_bucket", (("le", "1.0"),))]
+    assert samples[("tandem_verify_batch_sessions_count", ())] > single, "no pass held more than one session"
+
+
+def test_full_pool_queues_a_request_then_admits_or_refuses_it(small_pool_stack):
+    """Two sessions reserve 440 of 450 positions. A third waits in the admission queue and gets
+    RESOURCE_EXHAUSTED after the 1 s admission timeout; a fourth gets in once one of the first two
+    ends, while it waits."""
+    def open_request(session_id, max_new):
+        return ipb.VerifyRequest(open=ipb.OpenSession(session_id=session_id, prompt_ids=[3, 4, 5],
+                                                      sampling=ipb.WorkerSampling(max_new_tokens=max_new,
+                                                                                  top_p=1.0)))
+
+    async def main():
+        async with grpc.aio.insecure_channel(small_pool_stack.address("verify_worker")) as ch:
+            stub = ipb_grpc.VerifyServiceStub(ch)
+            holders = []
+            for sid in ("a", "b"):                     # 3 + 200 + 17 = 220 positions each
+                call = stub.Verify()
+                await call.write(open_request(sid, 200))
+                assert (await call.read()).WhichOneof("kind") == "opened"
+                holders.append(call)
+            refused = stub.Verify()
+            await refused.write(open_request("c", 10))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await refused.read()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV budget full" in e.value.details()
+            waiting = stub.Verify()
+            await waiting.write(open_request("d", 10))
+            await asyncio.sleep(0.3)
+            holders[0].cancel()                         # frees 220 positions
+            assert (await waiting.read()).WhichOneof("kind") == "opened"
+            for call in (holders[1], waiting):
+                call.cancel()
+
+    asyncio.run(main())
