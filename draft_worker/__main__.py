@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--confidence", default=0.4, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
+    add_flag(parser, "--pipeline", default=False, type=bool,
+             help="draft the next proposal while the verify worker checks this one (assuming it is "
+                  "all accepted); pays off when draft and verify run on separate hardware")
     add_kv_flags(parser, default_tokens=16384)
     add_flag(parser, "--max-batch-tokens", default=512, type=int,
              help="most tokens (all sessions' draft steps) in one batched forward pass of the draft model")
@@ -66,7 +69,7 @@ async def main(args: argparse.Namespace) -> None:
         batcher = Batcher(model, inference, max_tokens=args.max_batch_tokens)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
-                             batcher=batcher)
+                             batcher=batcher, pipeline=args.pipeline)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

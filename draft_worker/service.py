@@ -35,8 +35,10 @@ def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
-                 inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None) -> None:
+                 inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
+                 pipeline: bool = False) -> None:
         self.drafters = drafters
+        self.pipeline = pipeline              # draft the next proposal while this one is verified
         self.batcher = batcher                # batches the model drafter's steps across sessions
         self.adaptive_k = adaptive_k
         self.eos_ids = eos_ids
@@ -70,7 +72,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         prompt = list(request.prompt_ids)
         call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining(),
                                                                 metadata=logs.outgoing_metadata())
-        state = pending = None
+        state = pending = ahead = None
         try:
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
                 session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
@@ -96,6 +98,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             rounds = drafted = accepted = 0
             while True:
                 draft, propose_s = await pending
+                if self.pipeline and draft.tokens and drafter.name == "model":
+                    # While the target verifies, draft on as if it accepted everything: the draft's
+                    # own next token is its guess of the bonus token.
+                    ahead = self._propose(state, tokens + draft.tokens, request.num_speculative_tokens + 1)
                 with telemetry.span("speculation round") as span:
                     verdict, rtt_s = await self._verify_round(call, context, draft)
                     if span is not None:
@@ -117,8 +123,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 if verdict.stop_reason:
                     yield chunk
                     break
-                # The next proposal is drafted while this chunk travels to the gateway.
-                pending = self._propose(state, tokens, next_k())
+                pending = await self._next_proposal(state, tokens, next_k(), draft, verdict, ahead)
+                ahead = None
                 yield chunk
             log.info("speculation finished", extra={"fields": {
                 "method": drafter.name, "rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -140,10 +146,30 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         finally:
             self.sessions.pop(id(context), None)
             call.cancel()
-            if pending is not None and not pending.done():
-                pending.cancel()                 # its result is not needed; close runs after it
+            for job in (pending, ahead):
+                if job is not None and not job.done():
+                    job.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
+
+    async def _next_proposal(self, state, tokens: list[int], k: int, draft: Draft, verdict: pb.Verdict,
+                             ahead: asyncio.Future | None) -> asyncio.Future:
+        """The next proposal, drafting while the last chunk travels to the gateway. A pipelined
+        draft (`ahead`) is used when the target accepted the whole proposal and its bonus token is
+        the draft's guess; otherwise the drafter rolls back and drafts again."""
+        if ahead is not None:
+            waited = time.perf_counter()
+            early, _ = await ahead
+            waited = time.perf_counter() - waited          # what the pipelined draft still cost
+            rest = early.tokens[1:1 + k]
+            if k and rest and verdict.accepted == len(draft.tokens) and early.tokens[0] == verdict.token_ids[-1]:
+                support = early.support[1:1 + k] if early.support is not None else None
+                metrics.PIPELINED.labels("used").inc()
+                done = asyncio.get_running_loop().create_future()
+                done.set_result((Draft(rest, support), waited))
+                return done
+            metrics.PIPELINED.labels("discarded").inc()
+        return self._propose(state, tokens, k)
 
     def _propose(self, state, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts the next proposal in the background: (Draft, seconds until it was ready)."""

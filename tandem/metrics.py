@@ -69,6 +69,8 @@ SPEC_ACCEPTED = Counter("tandem_spec_decode_num_accepted_tokens", "Proposed toke
                         ["method"], registry=_NO)
 SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by 0-based "
                                 "position in the proposal", ["method", "position"], registry=_NO)
+PIPELINED = Counter("tandem_draft_pipelined_proposals", "Proposals drafted while the previous one was being "
+                    "verified, by whether they were used or discarded", ["outcome"], registry=_NO)
 
 # ---- verify worker ----
 VERIFY_QUEUE = Gauge("tandem_verify_queue_depth", "Work waiting for the target: rounds and prefill chunks queued "
@@ -98,7 +100,7 @@ VERIFY_SECONDS = Histogram("tandem_verify_forward_seconds", "Target time for one
 _OWNED = {
     "gateway": [REQUESTS, TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, MIGRATIONS, FALLBACKS],
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
-                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
+                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, PIPELINED],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
                       PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
                       KV_POOL_BYTES],
