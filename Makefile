@@ -1,11 +1,11 @@
-# Tandem: make setup | protos | run | test | soak | bench | image | deploy-check
+# Tandem: make setup | protos | run | test | soak | bench | bench-load | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-slow soak bench image deploy-check clean
+.PHONY: setup protos run test test-slow soak bench bench-load image deploy-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ soak: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# Concurrent streams, speculation on vs off (bench/load.py); LOAD_ARGS=--quick for a smoke run.
+LOAD_ARGS ?=
+bench-load: setup
+	$(PY) -m bench.load $(LOAD_ARGS)
 
 # One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
 IMAGE ?= tandem
