@@ -11,6 +11,14 @@ How long a proposal runs is left to the drafter: the model drafter stops after a
 unsure of (`--confidence`), which follows the text far better than a k chosen in advance. An
 earlier controller chose k from a per-token acceptance rate and the verify cost curve; on code,
 where acceptance comes in long runs, it proposed too little and lost 15% against a fixed k.
+
+Under load a proposal also costs the other sessions: each position it adds to a batched pass
+delays every session in it. The verify worker sends that price with each verdict (`token_cost`:
+its marginal seconds per position in a pass times the tokens per second it produces). Position j
+of a proposal is worth its place only if the chance that the target accepts the proposal through
+j exceeds that price, so k is cut to the positions whose measured acceptance does. At low load the
+price is near 0 and nothing is cut; when the verify worker is saturated it nears 1 and proposals
+stop, which is why speculation no longer slows a busy worker down.
 """
 
 from __future__ import annotations
@@ -31,9 +39,36 @@ class _Rate:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+class Survival:
+    """How often a proposal is accepted through position j (1-based), over recent proposals that
+    reached j, older ones weighing less; positions not seen yet count as always accepted."""
+
+    def __init__(self, positions: int = 64, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.reached = [0.0] * (positions + 1)
+        self.accepted = [0.0] * (positions + 1)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        for j in range(1, min(proposed, len(self.reached) - 1) + 1):
+            self.reached[j] = self.reached[j] * self.decay + 1
+            self.accepted[j] = self.accepted[j] * self.decay + (accepted >= j)
+
+    def worth(self, k: int, price: float) -> int:
+        """The longest prefix of k positions each of which is accepted more often than `price`
+        (all k when there is no price: the worker has time to spare)."""
+        if price <= 0:
+            return k
+        for j in range(1, min(k, len(self.reached) - 1) + 1):
+            if self.reached[j] > 0 and self.accepted[j] / self.reached[j] <= price:
+                return j - 1
+        return k
+
+
 class SpeculationController:
     def __init__(self, plain_ms: float, decay: float = 0.8, backoff: int = 4, max_backoff: int = 64) -> None:
         """plain_ms: one plain decode round as the verify worker measured it (the prior for plain)."""
+        self.survival = Survival()
+        self.price = 0.0                 # the verify worker's last token_cost
         self.speculative, self.plain = _Rate(decay), _Rate(decay)
         self.plain.add(1, plain_ms / 1000)
         self.min_backoff, self.max_backoff = backoff, max_backoff
@@ -41,18 +76,23 @@ class SpeculationController:
         self.plain_rounds_left = 0
 
     def choose(self, k: int) -> int:
-        """k, or 0 while plain decoding is the faster of the two."""
+        """k cut to the positions worth their price, or 0 while plain decoding is the faster."""
         if k <= 0 or self.plain_rounds_left > 0:
             self.plain_rounds_left = max(0, self.plain_rounds_left - 1)
             return 0
-        return k
+        return self.survival.worth(k, self.price)
 
-    def observe(self, proposed: int, tokens: int, seconds: float) -> None:
-        """One finished round: tokens it produced (accepted + the target's own), seconds it took."""
+    def observe(self, proposed: int, tokens: int, seconds: float, accepted: int | None = None,
+                price: float = 0.0) -> None:
+        """One finished round: tokens it produced (accepted + the target's own), seconds it took,
+        how many proposed tokens were accepted (default: all but the target's own), and the verify
+        worker's token_cost sent with its verdict."""
+        self.price = price
         if proposed == 0:
             self.plain.add(tokens, seconds)
             return
         self.speculative.add(tokens, seconds)
+        self.survival.add(proposed, tokens - 1 if accepted is None else accepted)
         if self.speculative.value < self.plain.value:
             self.plain_rounds_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)

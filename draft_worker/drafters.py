@@ -78,6 +78,7 @@ class _ModelDraftState:
         feed = proposal.feed
         while feed:
             feed = (await batcher.forward(self.cache, feed, 1, proposal.take)).value
+        batcher.leave(self.cache)              # nothing more until the verdict comes back
         return proposal.draft()
 
     def _begin(self, context: list[int], k: int) -> _Proposal:

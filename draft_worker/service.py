@@ -114,7 +114,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
                 rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
                 if control is not None:
-                    control.observe(len(draft.tokens), len(verdict.token_ids), propose_s + rtt_s)
+                    control.observe(len(draft.tokens), len(verdict.token_ids), propose_s + rtt_s,
+                                    verdict.accepted, verdict.token_cost)
                 tokens.extend(verdict.token_ids)
                 chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
                                       accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,

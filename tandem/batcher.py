@@ -3,6 +3,13 @@
 Sessions queue work on the event loop. Whenever the inference thread is free, everything queued
 (up to a token budget) becomes one forward pass; each item's follow-up (verification, sampling)
 runs on the inference thread right after, and its result goes back to the session that asked.
+
+Two scheduling rules. Rounds and decode steps go before prefill chunks, which fill what is left
+of the token budget, so that a wave of new prompts does not hold up every running session's next
+token. And after a pass, the next one waits a moment (at most `gather` of the last pass's time,
+capped at `max_wait`) for the sessions of that pass to queue their next step: they get their
+results a moment after the pass ends, and without the wait each pass would start with whichever
+few were back first.
 """
 
 from __future__ import annotations
@@ -32,16 +39,21 @@ class _Item:
     tokens: list[int]
     last: int | None
     then: Callable | None
+    prefill: bool
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Batcher:
-    def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512) -> None:
+    def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512,
+                 gather: float = 0.25, max_wait: float = 0.05) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
+        self.gather, self.max_wait = gather, max_wait
+        self._last: list[SessionCache] = []          # the sessions of the last pass
+        self._last_seconds = 0.0
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.observe: Callable[[int, int], None] = lambda sessions, tokens: None   # per pass, for metrics
+        self.observers: list[Callable[[int, int, float], None]] = []   # (sessions, tokens, seconds) per pass
 
     @property
     def waiting(self) -> int:
@@ -51,13 +63,18 @@ class Batcher:
         """Runs fn on the inference thread between two forward passes."""
         return await self.inference.run(fn, *args)
 
+    def leave(self, cache: SessionCache) -> None:
+        """The session of `cache` queues nothing more: the next pass need not wait for it."""
+        self._last = [c for c in self._last if c is not cache]
+
     async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
-                      then: Callable | None = None) -> Ran:
+                      then: Callable | None = None, prefill: bool = False) -> Ran:
         """Feeds `tokens` after `cache`'s in the next batch with room; `then(logits)` runs on the
-        inference thread after the pass. Exceptions from the pass or from `then` are raised here."""
+        inference thread after the pass. Exceptions from the pass or from `then` are raised here.
+        `prefill`: a prompt chunk, which yields to rounds and decode steps."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        item = _Item(cache, tokens, last, then)
+        item = _Item(cache, tokens, last, then, prefill)
         self._queue.append(item)
         self._wake.set()
         return await item.future
@@ -67,13 +84,18 @@ class Batcher:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                await self._gather()
                 batch = self._take()
+                if not batch:
+                    continue
                 try:
                     outcomes, seconds = await self.inference.run_timed(self._run, batch)
                 except Exception as e:           # the pass itself failed: every item hears of it
                     outcomes, seconds = [e] * len(batch), 0.0
                 tokens = sum(len(i.tokens) for i in batch)
-                self.observe(len(batch), tokens)
+                for observe in self.observers:
+                    observe(len(batch), tokens, seconds)
+                self._last, self._last_seconds = [i.cache for i in batch if not i.prefill], seconds
                 for item, outcome in zip(batch, outcomes):
                     if item.future.done():       # the session gave up (cancelled) meanwhile
                         continue
@@ -82,27 +104,42 @@ class Batcher:
                     else:
                         item.future.set_result(Ran(outcome, seconds, len(batch), tokens))
 
+    async def _gather(self) -> None:
+        """Waits, briefly, until every session of the last pass has queued its next step."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.max_wait, self.gather * self._last_seconds)
+        while True:
+            queued = {id(i.cache) for i in self._queue}
+            missing = [c for c in self._last if c.capacity and id(c) not in queued]
+            left = deadline - loop.time()
+            if not missing or left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     def _take(self) -> list[_Item]:
-        """FIFO up to the token budget (the first item always goes); one item per session, so a
-        session's second request waits for the pass after its first."""
+        """Rounds and decode steps first, then prefill chunks, each in arrival order, up to the token
+        budget (the first item always goes); one item per session, so a session's second request
+        waits for the pass after its first."""
         batch: list[_Item] = []
-        skipped: list[_Item] = []
         tokens = 0
         seen: set[int] = set()
-        while self._queue:
-            item = self._queue[0]
-            if batch and tokens + len(item.tokens) > self.max_tokens:
-                break
-            self._queue.popleft()
-            if item.future.done():
-                continue
-            if id(item.cache) in seen:
-                skipped.append(item)
-                continue
-            seen.add(id(item.cache))
-            batch.append(item)
-            tokens += len(item.tokens)
-        self._queue.extendleft(reversed(skipped))
+        for want_prefill in (False, True):
+            for item in self._queue:
+                if item.prefill != want_prefill or item.future.done() or id(item.cache) in seen:
+                    continue
+                if batch and tokens + len(item.tokens) > self.max_tokens:
+                    if want_prefill:
+                        break
+                    continue
+                seen.add(id(item.cache))
+                batch.append(item)
+                tokens += len(item.tokens)
+        taken = {id(i) for i in batch}
+        self._queue = deque(i for i in self._queue if id(i) not in taken and not i.future.done())
         return batch
 
     def _run(self, batch: list[_Item]) -> list[Any]:

@@ -54,3 +54,28 @@ def test_the_requested_k_is_never_exceeded_and_zero_stays_zero():
 def test_no_curve_no_controller():
     assert controller_for([]) is None
     assert controller_for([PLAIN_MS, 900.0]).choose(5) == 5
+
+
+def test_price_cuts_proposals_to_the_positions_that_pay_for_themselves():
+    c = SpeculationController(PLAIN_MS)
+    for _ in range(20):          # accepted through position 1 always, through 2 half the time, never 3
+        c.observe(4, 3, 0.5, accepted=1, price=0.0)
+        c.observe(4, 4, 0.5, accepted=2, price=0.0)
+    assert c.choose(4) == 4                   # no price: every position is worth trying
+    c.observe(4, 3, 0.5, accepted=1, price=0.3)
+    assert c.choose(4) == 2                   # position 2 (about 0.5) pays 0.3, position 3 (0) does not
+    c.observe(4, 3, 0.5, accepted=1, price=0.9)
+    assert c.choose(4) == 1                   # only the always-accepted first position still pays
+    c.observe(4, 3, 0.5, accepted=1, price=1.0)
+    assert c.choose(4) == 0                   # a saturated verify worker: decode plainly
+
+
+def test_token_price_is_marginal_pass_time_times_output_rate():
+    from verify_worker.price import TokenPrice
+    price = TokenPrice(horizon_s=1000.0)
+    assert price.value == 0.0
+    for tokens in (1, 8, 16, 32, 64) * 4:
+        price.observe_pass(tokens, 0.05 + 0.002 * tokens)    # 50 ms + 2 ms per position
+    assert abs(price.beta - 0.002) < 1e-6
+    price.observe_output(100_000)                              # 100 tokens/s over the 1000 s horizon
+    assert abs(price.value - 0.2) < 0.01

@@ -16,6 +16,7 @@ from tandem.telemetry import round_attributes
 from verify_worker.engine import (STOP_NONE, ProtocolError, TargetSession, VerdictResult, VerifyEngine,
                                   common_prefix)
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
+from verify_worker.price import TokenPrice
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
+        self.price = TokenPrice()
+        batcher.observers.append(lambda sessions, tokens, seconds: self.price.observe_pass(tokens, seconds))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
         self._export_gauges()
 
@@ -65,7 +68,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                         "tandem.cached_prompt_tokens": cached}) as span:
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
-                seconds += (await self.batcher.forward(session.cache, chunk, last=1)).seconds
+                seconds += (await self.batcher.forward(session.cache, chunk, last=1, prefill=True)).seconds
             if span is not None:
                 span.set_attribute("tandem.verify_seconds", seconds)
         self.sessions[id(context)] = session
@@ -106,6 +109,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     def _close(self, context) -> None:
         session = self.sessions.pop(id(context), None)
+        if session is not None:
+            self.batcher.leave(session.cache)
         # Only a session that finished is consistent to continue from; a broken one is dropped.
         keep = session is not None and session.stop_reason != STOP_NONE
         self.keeper.release(id(context), session, keep=keep)
@@ -143,7 +148,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     # The draft worker's round span records this, next to its round-trip time.
                     yield pb.VerifyResponse(verdict=pb.Verdict(
                         accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
-                        verify_seconds=ran.seconds, batch_size=ran.batch_size))
+                        verify_seconds=ran.seconds, batch_size=ran.batch_size, token_cost=self.price.value))
                     if verdict.stop_reason != STOP_NONE:
                         return
                 else:
@@ -194,6 +199,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
         try:
             feed = self.engine.verify_input(session, tokens)
-            return await self.batcher.forward(session.cache, feed, None, judge)
+            ran = await self.batcher.forward(session.cache, feed, None, judge)
+            self.price.observe_output(len(ran.value.token_ids))
+            return ran
         except (ProtocolError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
