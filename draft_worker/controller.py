@@ -74,13 +74,29 @@ class SpeculationController:
         self.min_backoff, self.max_backoff = backoff, max_backoff
         self.backoff = backoff
         self.plain_rounds_left = 0
+        self.trial = False
 
     def choose(self, k: int) -> int:
-        """k cut to the positions worth their price, or 0 while plain decoding is the faster."""
-        if k <= 0 or self.plain_rounds_left > 0:
-            self.plain_rounds_left = max(0, self.plain_rounds_left - 1)
+        """k cut to the positions worth their price, or 0 while plain decoding is the faster. The
+        first round after a stretch of plain ones tries the full k, so that a draft (or a worker)
+        that got better is noticed."""
+        if k <= 0:
             return 0
-        return self.survival.worth(k, self.price)
+        if self.plain_rounds_left > 0:
+            self.plain_rounds_left -= 1
+            self.trial = self.plain_rounds_left == 0
+            return 0
+        if self.trial:
+            self.trial = False
+            return k
+        k = self.survival.worth(k, self.price)
+        if k == 0:
+            self._back_off()
+        return k
+
+    def _back_off(self) -> None:
+        self.plain_rounds_left = self.backoff
+        self.backoff = min(2 * self.backoff, self.max_backoff)
 
     def observe(self, proposed: int, tokens: int, seconds: float, accepted: int | None = None,
                 price: float = 0.0) -> None:
@@ -94,8 +110,7 @@ class SpeculationController:
         self.speculative.add(tokens, seconds)
         self.survival.add(proposed, tokens - 1 if accepted is None else accepted)
         if self.speculative.value < self.plain.value:
-            self.plain_rounds_left = self.backoff
-            self.backoff = min(2 * self.backoff, self.max_backoff)
+            self._back_off()
         else:
             self.backoff = self.min_backoff
 

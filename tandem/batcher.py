@@ -45,7 +45,7 @@ class _Item:
 
 class Batcher:
     def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512,
-                 gather: float = 0.25, max_wait: float = 0.05) -> None:
+                 gather: float = 0.3, max_wait: float = 0.1) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
         self.gather, self.max_wait = gather, max_wait
         self._last: list[SessionCache] = []          # the sessions of the last pass
@@ -53,7 +53,8 @@ class Batcher:
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.observers: list[Callable[[int, int, float], None]] = []   # (sessions, tokens, seconds) per pass
+        # per pass: (sessions, round tokens, prefill tokens, seconds)
+        self.observers: list[Callable[[int, int, int, float], None]] = []
 
     @property
     def waiting(self) -> int:
@@ -92,9 +93,10 @@ class Batcher:
                     outcomes, seconds = await self.inference.run_timed(self._run, batch)
                 except Exception as e:           # the pass itself failed: every item hears of it
                     outcomes, seconds = [e] * len(batch), 0.0
-                tokens = sum(len(i.tokens) for i in batch)
+                prefill = sum(len(i.tokens) for i in batch if i.prefill)
+                tokens = sum(len(i.tokens) for i in batch) - prefill
                 for observe in self.observers:
-                    observe(len(batch), tokens, seconds)
+                    observe(len(batch), tokens, prefill, seconds)
                 self._last, self._last_seconds = [i.cache for i in batch if not i.prefill], seconds
                 for item, outcome in zip(batch, outcomes):
                     if item.future.done():       # the session gave up (cancelled) meanwhile

@@ -108,7 +108,7 @@ def test_batcher_runs_concurrent_sessions_in_shared_passes(tiny_models):
     async def main():
         thread = InferenceThread("test-batcher")
         batcher = Batcher(model, thread)
-        batcher.observers.append(lambda sessions, tokens, seconds: sizes.append(sessions))
+        batcher.observers.append(lambda sessions, tokens, prefill, seconds: sizes.append(sessions))
         try:
             return await asyncio.gather(*(decode(batcher, p) for p in prompts))
         finally:

@@ -74,8 +74,8 @@ def test_token_price_is_marginal_pass_time_times_output_rate():
     from verify_worker.price import TokenPrice
     price = TokenPrice(horizon_s=1000.0)
     assert price.value == 0.0
-    for tokens in (1, 8, 16, 32, 64) * 4:
-        price.observe_pass(tokens, 0.05 + 0.002 * tokens)    # 50 ms + 2 ms per position
-    assert abs(price.beta - 0.002) < 1e-6
+    for tokens, prefill in zip((1, 8, 16, 32, 64) * 4, (0, 0, 256, 0, 100, 0, 0)  * 3):
+        price.observe_pass(tokens, prefill, 0.05 + 0.002 * tokens + 0.0005 * prefill)
+    assert abs(price.beta - 0.002) < 1e-4                      # prefill's cheaper tokens kept apart
     price.observe_output(100_000)                              # 100 tokens/s over the 1000 s horizon
     assert abs(price.value - 0.2) < 0.01

@@ -59,8 +59,8 @@ async def main(args: argparse.Namespace) -> None:
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
     batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens)
-    batcher.observers.append(lambda sessions, tokens, seconds: (metrics.BATCH_SESSIONS.observe(sessions),
-                                                                metrics.BATCH_TOKENS.observe(tokens)))
+    batcher.observers.append(lambda sessions, tokens, prefill, seconds: (
+        metrics.BATCH_SESSIONS.observe(sessions), metrics.BATCH_TOKENS.observe(tokens + prefill)))
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
     servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk)
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)

@@ -29,7 +29,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
         self.price = TokenPrice()
-        batcher.observers.append(lambda sessions, tokens, seconds: self.price.observe_pass(tokens, seconds))
+        batcher.observers.append(lambda sessions, tokens, prefill, seconds:
+                                 self.price.observe_pass(tokens, prefill, seconds))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
         self._export_gauges()
 
@@ -48,6 +49,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.gauge_from(metrics.KV_USAGE, lambda: used() / keeper.budget if keeper.budget else 0.0)
         metrics.gauge_from(metrics.VERIFY_QUEUE, lambda: self.batcher.waiting + keeper.waiting)
         metrics.gauge_from(metrics.KV_POOL_BYTES, lambda: self.engine.model.pool.nbytes)
+        metrics.gauge_from(metrics.TOKEN_COST, lambda: self.price.value)
 
     async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
