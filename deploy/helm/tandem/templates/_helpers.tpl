@@ -248,6 +248,10 @@ bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker 
   value: {{ .pool.maxProposal | quote }}
 - name: TANDEM_KV_BUDGET_TOKENS
   value: {{ .pool.kvBudgetTokens | int64 | quote }}
+- name: TANDEM_MAX_BATCH_TOKENS
+  value: {{ .pool.maxBatchTokens | int64 | quote }}
+- name: TANDEM_ADMISSION_TIMEOUT
+  value: {{ .pool.admissionTimeout | quote }}
 {{- else }}
 # the name it registers under: without it the gateway would use this pod for n-gram drafting only
 - name: TANDEM_TARGET_MODEL
