@@ -14,20 +14,22 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
-
 
 class TokenPrice:
     def __init__(self, decay: float = 0.95, horizon_s: float = 2.0) -> None:
         self.decay, self.horizon = decay, horizon_s
-        self._xx = np.zeros((3, 3))                               # decayed normal equations of
-        self._xy = np.zeros(3)                                    # seconds ~ 1, rounds, prefill
+        # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
+        # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
         self._count, self._at = 0.0, time.monotonic()            # decayed tokens given out
 
     def observe_pass(self, round_tokens: int, prefill_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, round_tokens, prefill_tokens])
-        self._xx = self._xx * self.decay + np.outer(x, x)
-        self._xy = self._xy * self.decay + x * seconds
+        x = (1.0, float(round_tokens), float(prefill_tokens))
+        for i in range(3):
+            self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
 
     def observe_output(self, tokens: int) -> None:
         now = time.monotonic()
@@ -37,10 +39,13 @@ class TokenPrice:
     @property
     def beta(self) -> float:
         """Marginal seconds per round position (0 until passes of different sizes were seen)."""
-        if self._xx[0, 0] < 2 or self._xx[1, 1] * self._xx[0, 0] - self._xx[0, 1] ** 2 < 1e-9:
+        xx = self._xx
+        if xx[0][0] < 2 or xx[1][1] * xx[0][0] - xx[0][1] ** 2 < 1e-9:
             return 0.0
-        ridge = 1e-6 * np.eye(3) * max(1.0, float(np.trace(self._xx)))   # prefill never seen: stays solvable
-        return max(0.0, float(np.linalg.solve(self._xx + ridge, self._xy)[1]))
+        ridge = 1e-6 * max(1.0, xx[0][0] + xx[1][1] + xx[2][2])   # prefill never seen: stays solvable
+        a = [[xx[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
+        with_y = [[self._xy[i] if j == 1 else a[i][j] for j in range(3)] for i in range(3)]
+        return max(0.0, _det3(with_y) / _det3(a))             # Cramer's rule for the slope
 
     @property
     def rate(self) -> float:
@@ -50,3 +55,9 @@ class TokenPrice:
     @property
     def value(self) -> float:
         return min(1.0, self.beta * self.rate)
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
