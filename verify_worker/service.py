@@ -150,7 +150,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     # The draft worker's round span records this, next to its round-trip time.
                     yield pb.VerifyResponse(verdict=pb.Verdict(
                         accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
-                        verify_seconds=ran.seconds, batch_size=ran.batch_size, token_cost=self.price.value))
+                        verify_seconds=ran.seconds, batch_size=ran.batch_size,
+                        token_cost=self.price.value * (1 - 1 / ran.batch_size)))
                     if verdict.stop_reason != STOP_NONE:
                         return
                 else:
