@@ -30,7 +30,6 @@ class Ran:
     value: Any           # what the item's follow-up returned (its logits when it had none)
     seconds: float       # the whole batch's forward pass and follow-ups
     batch_size: int      # sessions taken into that pass
-    batch_tokens: int    # tokens in that pass
 
 
 @dataclass
@@ -104,7 +103,7 @@ class Batcher:
                     if isinstance(outcome, Exception):
                         item.future.set_exception(outcome)
                     else:
-                        item.future.set_result(Ran(outcome, seconds, len(batch), tokens))
+                        item.future.set_result(Ran(outcome, seconds, len(batch)))
 
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""
@@ -151,18 +150,15 @@ class Batcher:
         ready = []
         for i, item in enumerate(batch):
             total = item.cache.length + len(item.tokens)
-            if not item.tokens or total > self.model.max_context:
-                outcomes[i] = ValueError(f"cannot feed {len(item.tokens)} tokens after {item.cache.length} "
-                                         f"cached ones (context {self.model.max_context})")
-                continue
             try:
+                self.model.check_feed(item.cache, item.tokens)
                 try:
                     item.cache.reserve(total)
                 except KVPoolFull:
                     self.model.pool.compact()        # between passes: safe to move runs
                     item.cache.reserve(total)
                 ready.append(i)
-            except KVPoolFull as e:
+            except (ValueError, KVPoolFull) as e:
                 outcomes[i] = e
         if ready:
             logits = self.model.forward_batch([(batch[i].cache, batch[i].tokens, batch[i].last) for i in ready])

@@ -38,7 +38,7 @@ class KVPool:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.slots = slots
-        self.bytes_per_token = 2 * layers * kv_heads * head_dim * self.keys.element_size()
+        self.bytes_per_token = _bytes_per_token(layers, kv_heads, head_dim, dtype)
         self._free: list[tuple[int, int]] = [(0, slots)]     # (start, length), sorted by start
         self._lock = threading.RLock()    # a cache's finalizer may release on any thread
         self._caches: weakref.WeakSet[SessionCache] = weakref.WeakSet()   # holders of runs, for compact
@@ -51,7 +51,7 @@ class KVPool:
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         dtype = model.get_input_embeddings().weight.dtype
         if nbytes:
-            slots = nbytes // (2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize)
+            slots = nbytes // _bytes_per_token(c.num_hidden_layers, kv_heads, head_dim, dtype)
         return cls(c.num_hidden_layers, kv_heads, head_dim, slots, dtype, str(model.device))
 
     @property
@@ -105,6 +105,11 @@ class KVPool:
                 else:
                     merged.append((s, length))
             self._free = merged
+
+
+def _bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys and values of one position, every layer."""
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
 class SessionCache:

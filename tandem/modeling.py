@@ -77,6 +77,12 @@ class CausalLM:
         Raises KVPoolFull."""
         return SessionCache(self.pool, min(capacity, self.max_context))
 
+    def check_feed(self, cache: SessionCache, token_ids: list[int], extra: int = 0) -> None:
+        """Raises ValueError unless token_ids (plus `extra` padding) can follow cache's positions."""
+        if not token_ids or cache.length + len(token_ids) + extra > self.max_context:
+            raise ValueError(f"cannot feed {len(token_ids)} tokens after {cache.length} cached ones "
+                             f"(context {self.max_context})")
+
     def forward(self, token_ids: list[int], cache: SessionCache, last: int | None = None) -> torch.Tensor:
         """Feeds token_ids after the cached ones; returns the logits of the last `last` of them (all
         when None) as [last, V] on the CPU, float32. Asking only for what is used skips most of the
@@ -102,9 +108,7 @@ class CausalLM:
         parts: list[tuple[int, int, int]] = []
         for i, (cache, token_ids, last) in enumerate(items):
             n = len(token_ids) + (pad if i == len(items) - 1 else 0)
-            if not token_ids or cache.length + n > self.max_context:
-                raise ValueError(f"cannot feed {len(token_ids)} tokens after {cache.length} cached ones "
-                                 f"(context {self.max_context})")
+            self.check_feed(cache, token_ids, n - len(token_ids))
             cache.reserve(cache.length + n)
             kept = len(token_ids) if last is None else min(last, len(token_ids))
             keep.extend(range(len(ids) + len(token_ids) - kept, len(ids) + len(token_ids)))

@@ -4,7 +4,6 @@ eviction is rebuilt from the history in Redis with the same output."""
 
 import json
 import time
-import threading
 
 import grpc
 import pytest

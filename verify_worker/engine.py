@@ -138,10 +138,6 @@ class VerifyEngine:
         tokens = self.verify_input(s, proposed)
         return self.judge(s, proposed, draft_probs, self.model.forward(tokens, s.cache))
 
-    def decode(self, s: TargetSession) -> VerdictResult:
-        """Plain decoding: one target token, no proposal."""
-        return self.verify(s, [])
-
     def _commit(self, s: TargetSession, accepted: int, new: list[int]) -> VerdictResult:
         eos = set(self.model.eos_ids)
         kept: list[int] = []

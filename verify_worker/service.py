@@ -13,8 +13,7 @@ from tandem.kvpool import KVPoolFull
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from tandem.telemetry import round_attributes
-from verify_worker.engine import (STOP_NONE, ProtocolError, TargetSession, VerdictResult, VerifyEngine,
-                                  common_prefix)
+from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice
 
