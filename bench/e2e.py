@@ -173,12 +173,13 @@ def main(argv=None) -> None:
     if not a.skip_models:
         import transformers
         from transformers import AutoModelForCausalLM
+        from tandem.gemm import pack_linears
         from tandem.modeling import load_tokenizer, load_weights, resolve
         torch.set_num_threads(a.threads)
         tok = load_tokenizer(a.target)
         configs = [("none", 0), ("model", a.k), ("ngram", a.ngram_k)]
         runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted",
-                                                       "hf_assisted_int8"]}
+                                                       "hf_assisted_int8", "hf_assisted_int8_packed"]}
         result["setup"] = {"target": a.target, "draft": a.draft, "draft_dtype": a.draft_dtype, "k": a.k,
                            "ngram_k": a.ngram_k,
                            "max_new_tokens": a.max_new_tokens, "threads_per_process": a.threads,
@@ -206,11 +207,19 @@ def main(argv=None) -> None:
             print(f"  hf     {runs['hf_plain'][-1]['tok_s']:.2f} / assisted {runs['hf_assisted'][-1]['tok_s']:.2f}"
                   f" / assisted, int8 draft {runs['hf_assisted_int8'][-1]['tok_s']:.2f} tok/s", flush=True)
         steps = {"target": step_ms(target, tok), "draft": step_ms(draft, tok), "draft_int8": step_ms(draft_int8, tok)}
+        # The service multiplies several rows with oneDNN on packed weights (tandem.gemm); the same
+        # for transformers' target shows how much of the difference is that kernel alone.
+        pack_linears(target)
+        for prompt in PROMPTS[:a.prompts]:
+            run = hf_run(target, draft_int8, tok, prompt, a.max_new_tokens)
+            runs["hf_assisted_int8_packed"].append(run)
+            print(f"  hf     assisted, int8 draft, packed target {run['tok_s']:.2f} tok/s", flush=True)
         c = steps["draft_int8" if a.draft_dtype == "int8" else "draft"] / steps["target"]
         result["step_ms"], result["c"] = steps, c
         summary = {name: summarize(r) for name, r in runs.items() if r}
         for name, base in [("none", "none"), ("model", "none"), ("ngram", "none"),
-                           ("hf_plain", "hf_plain"), ("hf_assisted", "hf_plain"), ("hf_assisted_int8", "hf_plain")]:
+                           ("hf_plain", "hf_plain"), ("hf_assisted", "hf_plain"), ("hf_assisted_int8", "hf_plain"),
+                           ("hf_assisted_int8_packed", "hf_plain")]:
             summary[name]["speedup"] = summary[name]["tok_s_total"] / summary[base]["tok_s_total"]
         summary["model"]["bound"] = bound(summary["model"]["acceptance"], a.k, c)
         same = [a_["text"] == b_["text"] for a_, b_ in zip(runs["model"], runs["none"])]

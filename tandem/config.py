@@ -94,6 +94,9 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
     add_flag(parser, "--calibrate", default=True, type=bool,
              help="at start-up, measure the forward pass for each number of new tokens and pad "
                   "inputs to a longer length where that is faster")
+    add_flag(parser, "--packed-gemm", default=True, type=bool,
+             help="float32 on the CPU: multiply several rows at once (verification, batches, prefill) "
+                  "with oneDNN on weights packed at start-up; costs a second copy of the Linear weights")
 
 
 def add_kv_flags(parser: argparse.ArgumentParser, default_tokens: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tandem import gemm
 from tandem.kvpool import ATTENTION, ForwardBatch, KVPool, SessionCache
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,16 @@ class CausalLM:
     `kv_bytes`, when given, sizes it in bytes instead."""
 
     def __init__(self, spec: str, device: str = "cpu", threads: int | None = None,
-                 dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0) -> None:
+                 dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0,
+                 packed_gemm: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
         start = time.monotonic()
         self.model = load_weights(self.path, dtype, device)
         self.model.set_attn_implementation(ATTENTION)
+        # float32 on the CPU only: int8 has its own kernels, and GPUs do not need it
+        self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model) > 0
         self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
         self.device = device
         self.dtype = dtype
@@ -68,9 +72,9 @@ class CausalLM:
         self.vocab_size: int = config.vocab_size
         self.max_context: int = context_length(config)
         self.eos_ids: list[int] = _eos_ids(self.model)
-        log.info("loaded %s (%s) from %s in %.1fs (vocab %d, context %d, eos %s, KV pool %d tokens, %.0f MiB)",
-                 spec, dtype, self.path, time.monotonic() - start, self.vocab_size, self.max_context,
-                 self.eos_ids, self.pool.slots, self.pool.nbytes / 2**20)
+        log.info("loaded %s (%s%s) from %s in %.1fs (vocab %d, context %d, eos %s, KV pool %d tokens, %.0f MiB)",
+                 spec, dtype, ", packed GEMM" if self.packed else "", self.path, time.monotonic() - start,
+                 self.vocab_size, self.max_context, self.eos_ids, self.pool.slots, self.pool.nbytes / 2**20)
 
     def new_cache(self, capacity: int = 64) -> SessionCache:
         """A session's cache with room for `capacity` positions (it grows when fed more).

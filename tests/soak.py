@@ -69,9 +69,9 @@ def expected_texts(target: Path, tok, lengths: list[int]) -> dict[tuple[str, int
                                skip_special_tokens=True) for p in PROMPTS for n in lengths}
 
 
-async def client(stub, expected, end: float, rng: random.Random, report: Report, lengths: list[int]) -> None:
+async def client(stub, expected, running, rng: random.Random, report: Report, lengths: list[int]) -> None:
     metadata = (("authorization", f"Bearer {TOKEN}"),)
-    while time.monotonic() < end:
+    while running():
         prompt, n = rng.choice(PROMPTS), rng.choice(lengths)
         action = rng.choices(["full", "cancel", "deadline"], weights=[6, 2, 2])[0]
         timeout = rng.uniform(0.05, 1.0) if action == "deadline" else 60
@@ -99,10 +99,12 @@ async def client(stub, expected, end: float, rng: random.Random, report: Report,
                 report.wrong_outputs += 1
 
 
-async def chaos(stack: Stack, end: float, rng: random.Random, report: Report, every: float) -> None:
-    """Restarts a random worker now and then: kill -9 (mid-stream loss) or SIGTERM (a drain)."""
+async def chaos(stack: Stack, end: float, rng: random.Random, report: Report, every: float,
+                at_least: int = 0) -> None:
+    """Restarts a random worker now and then: kill -9 (mid-stream loss) or SIGTERM (a drain); at
+    least `at_least` times, however long the replacements take to start."""
     loop = asyncio.get_running_loop()
-    while time.monotonic() + every < end:
+    while time.monotonic() + every < end or sum(report.restarts.values()) < at_least:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every)
         kind = rng.choice(["verify_worker", "draft_worker"])
         alive = [n for n, p in stack.procs.items() if n.startswith(kind) and p.poll() is None]
@@ -170,7 +172,7 @@ async def _prune(redis_url: str) -> None:
 
 
 async def _load(stack: Stack, expected, seconds: float, clients: int, seed: int, restart_every: float,
-                lengths: list[int], report: Report) -> None:
+                lengths: list[int], report: Report, min_restarts: int) -> None:
     with open(stack.tls.ca, "rb") as f:
         creds = grpc.ssl_channel_credentials(f.read())
     async with grpc.aio.secure_channel(stack.address("gateway"), creds,
@@ -178,12 +180,18 @@ async def _load(stack: Stack, expected, seconds: float, clients: int, seed: int,
         stub = pb_grpc.GenerationServiceStub(ch)
         end = time.monotonic() + seconds
         rng = random.Random(seed)
-        tasks = [client(stub, expected, end, random.Random(rng.random()), report, lengths) for _ in range(clients)]
-        await asyncio.gather(chaos(stack, end, random.Random(rng.random()), report, restart_every), *tasks)
+        restarts = asyncio.ensure_future(chaos(stack, end, random.Random(rng.random()), report, restart_every,
+                                               min_restarts))
+
+        def running() -> bool:            # the load lasts `seconds`, and until the last restart is done
+            return time.monotonic() < end or not restarts.done()
+        tasks = [client(stub, expected, running, random.Random(rng.random()), report, lengths) for _ in range(clients)]
+        await asyncio.gather(restarts, *tasks)
 
 
 def run_soak(target: Path, draft: Path, seconds: float, clients: int = 8, seed: int = 0,
-             restart_every: float = 8.0, lengths: tuple[int, ...] = (8, 24, 64), workdir: Path | None = None) -> Report:
+             restart_every: float = 8.0, lengths: tuple[int, ...] = (8, 24, 64), workdir: Path | None = None,
+             min_restarts: int = 0) -> Report:
     from transformers import AutoTokenizer
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tandem-soak-"))
     tls = CA(workdir / "pki").issue("service")
@@ -199,7 +207,8 @@ def run_soak(target: Path, draft: Path, seconds: float, clients: int = 8, seed: 
                                  "--session-ttl-seconds", "600"],
                    draft_args=["--no-adaptive-k", "--grace-seconds", "2"],
                    verify_args=["--grace-seconds", "2"]) as stack:
-            asyncio.run(_load(stack, expected, seconds, clients, seed, restart_every, list(lengths), report))
+            asyncio.run(_load(stack, expected, seconds, clients, seed, restart_every, list(lengths), report,
+                              min_restarts))
             check_leaks(stack, redis_server.url, report)
     finally:
         redis_server.stop()

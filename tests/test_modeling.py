@@ -91,3 +91,30 @@ def test_no_padding_past_the_context_window(tiny_pair):
     model.forward([8], cache)                 # 8 positions would run past the window: fed as 1
     assert fed == [100, 8, model.max_context - 104, 1]
     assert cache.length == model.max_context - 2
+
+
+def test_packed_linear_matches_the_stock_kernel():
+    from tandem.gemm import PackedLinear
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    packed = PackedLinear(linear)
+    one = torch.randn(1, 1, 64)
+    assert torch.equal(packed(one), linear(one))             # one row: the very same kernel
+    many = torch.randn(1, 9, 64)
+    assert packed(many).shape == (1, 9, 96)
+    assert torch.allclose(packed(many), linear(many), atol=1e-5)
+
+
+def test_packing_swaps_float32_linears_only(tiny_pair):
+    from tandem.gemm import PackedLinear
+    packed, stock = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]), packed_gemm=False)
+    assert packed.packed and not stock.packed
+    kinds = {type(m) for m in packed.model.modules()}
+    assert PackedLinear in kinds and torch.nn.Linear not in kinds
+    head = packed.model.get_output_embeddings()
+    assert head.weight is packed.model.get_input_embeddings().weight or not packed.model.config.tie_word_embeddings
+    a, b = packed.new_cache(), stock.new_cache()
+    for feed in ([5, 6, 7, 8, 9], [10], [11, 12, 13]):
+        assert torch.allclose(packed.forward(feed, a), stock.forward(feed, b), atol=1e-4)
+    int8 = CausalLM(str(tiny_pair[1]), dtype="int8")
+    assert not int8.packed and PackedLinear not in {type(m) for m in int8.model.modules()}

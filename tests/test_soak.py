@@ -6,7 +6,8 @@ from tests.soak import run_soak
 
 
 def test_short_soak(tiny_pair, tmp_path):
-    report = run_soak(*tiny_pair, seconds=30, clients=6, restart_every=4.0, lengths=(8, 24), workdir=tmp_path)
+    report = run_soak(*tiny_pair, seconds=30, clients=6, restart_every=4.0, lengths=(8, 24), workdir=tmp_path,
+                      min_restarts=2)
     print("\n" + report.table())
     assert report.requests >= 30 and report.checked_outputs >= 10
     assert report.wrong_outputs == 0

@@ -51,7 +51,8 @@ async def main(args: argparse.Namespace) -> None:
 
     def load() -> CausalLM:
         model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
-                         kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20)
+                         kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20,
+                         packed_gemm=args.packed_gemm)
         if args.calibrate:
             model.calibrate(args.max_proposal + 1)
         return model
