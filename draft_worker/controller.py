@@ -94,6 +94,14 @@ class SpeculationController:
             self._back_off()
         return k
 
+    def plain_run(self) -> int:
+        """After choose() returned 0: how many plain rounds to ask the verify worker for at once,
+        this one and the ones planned after it. The next choose() is the trial round."""
+        run = 1 + self.plain_rounds_left
+        if self.plain_rounds_left:
+            self.plain_rounds_left, self.trial = 0, True
+        return run
+
     def _back_off(self) -> None:
         self.plain_rounds_left = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)

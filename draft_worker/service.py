@@ -96,21 +96,34 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
             pending = self._propose(state, tokens, next_k())
             rounds = drafted = accepted = 0
+            owed, arrived = 0, 0.0     # verdicts still to come of a run of plain rounds; when the last came
             while True:
-                draft, propose_s = await pending
-                if self.pipeline and draft.tokens and drafter.name == "model":
-                    # While the target verifies, draft on as if it accepted everything: the draft's
-                    # own next token is its guess of the bonus token.
-                    ahead = self._propose(state, tokens + draft.tokens, request.num_speculative_tokens + 1)
+                if not owed:
+                    draft, propose_s = await pending
+                    # Plain rounds in a row go as one request: the verify worker decodes them
+                    # back to back without waiting for a round trip each.
+                    run = control.plain_run() if control is not None and not draft.tokens else 1
+                    if self.pipeline and draft.tokens and drafter.name == "model":
+                        # While the target verifies, draft on as if it accepted everything: the
+                        # draft's own next token is its guess of the bonus token.
+                        ahead = self._propose(state, tokens + draft.tokens, request.num_speculative_tokens + 1)
+                continued = owed > 0           # not a round trip: the next verdict of a plain run
                 with telemetry.span("speculation round") as span:
-                    verdict, rtt_s = await self._verify_round(call, context, draft)
+                    if continued:
+                        propose_s, owed = 0.0, owed - 1
+                        verdict, rtt_s = await self._read_verdict(call, context, arrived)
+                    else:
+                        verdict, rtt_s = await self._verify_round(call, context, draft, run)
+                        owed = run - 1
+                    arrived = time.perf_counter()
                     if span is not None:
                         span.set_attributes(telemetry.round_attributes(
                             len(draft.tokens), verdict.accepted, verdict.token_ids, verdict.batch_size,
                             verdict.verify_seconds, rtt_s))
                         span.set_attribute("tandem.propose_seconds", propose_s)
-                metrics.PROPOSE.observe(propose_s)
-                metrics.ROUND_TRIP.observe(rtt_s)
+                if not continued:
+                    metrics.PROPOSE.observe(propose_s)
+                    metrics.ROUND_TRIP.observe(rtt_s)
                 metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
                 rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
                 if control is not None:
@@ -124,8 +137,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 if verdict.stop_reason:
                     yield chunk
                     break
-                pending = await self._next_proposal(state, tokens, next_k(), draft, verdict, ahead)
-                ahead = None
+                if not owed:
+                    pending = await self._next_proposal(state, tokens, next_k(), draft, verdict, ahead)
+                    ahead = None
                 yield chunk
             log.info("speculation finished", extra={"fields": {
                 "method": drafter.name, "rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -182,15 +196,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             return await state.propose_batched(self.batcher, tokens, k), time.perf_counter() - start
         return asyncio.ensure_future(batched())
 
-    async def _verify_round(self, call, context, draft: Draft) -> tuple[pb.Verdict, float]:
-        """Sends one proposal and reads its verdict: (verdict, round-trip seconds)."""
-        proposal = pb.Proposal(token_ids=draft.tokens)
+    async def _verify_round(self, call, context, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:
+        """Sends one proposal (or, with no tokens, a run of `run` plain rounds) and reads its first
+        verdict: (verdict, round-trip seconds)."""
+        proposal = pb.Proposal(token_ids=draft.tokens, plain_steps=run if run > 1 else 0)
         if draft.support is not None:
             proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
         sent = time.perf_counter()
         await call.write(pb.VerifyRequest(proposal=proposal))
+        return await self._read_verdict(call, context, sent)
+
+    async def _read_verdict(self, call, context, since: float) -> tuple[pb.Verdict, float]:
+        """The next verdict, and the seconds from `since` to its arrival."""
         verdict = (await self._read(call, context)).verdict
-        return verdict, time.perf_counter() - sent
+        return verdict, time.perf_counter() - since
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         kv = sum(s.cache.nbytes() for s in self.sessions.values() if hasattr(s, "cache"))

@@ -60,6 +60,8 @@ def bad_streams(stack):
         ([opening("b", prompt=[])], inv, "must not be empty"),
         ([opening("b"), proposal(list(range(k_max + 1)))], inv, "exceeds this worker's limit"),
         ([opening("b"), proposal([3, v + 5])], inv, "outside the vocabulary"),
+        ([opening("b"), pb.VerifyRequest(proposal=pb.Proposal(token_ids=[3], plain_steps=4))], inv,
+         "needs a proposal without tokens"),
         ([opening("b"), proposal([2**31 - 1])], inv, "outside the vocabulary"),
         ([opening("b", sampling=pb.WorkerSampling(temperature=math.nan, max_new_tokens=4))], inv, "temperature"),
         ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=0))], inv, "max_new_tokens"),
@@ -127,3 +129,30 @@ async def test_a_reopened_session_moves_to_the_new_stream(stack, tiny_models):
         await new.done_writing()
         status = await stub.Status(pb.StatusRequest(), timeout=10)
         assert status.live_sessions == 0 and status.reserved_kv_tokens == 0
+
+
+async def test_a_run_of_plain_steps_answers_each_step_and_stops_with_the_session(stack, tiny_models):
+    """One Proposal with plain_steps=n and no tokens gets n verdicts, each one plain token of the
+    target's greedy output; a run longer than the generation ends at its stop."""
+    expected = reference(tiny_models[0], PROMPT, SamplingParams(max_new_tokens=N))
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        call = pb_grpc.VerifyServiceStub(ch).Verify(timeout=60)
+        await call.write(opening("runs"))
+        assert (await call.read()).HasField("opened")
+        await call.write(pb.VerifyRequest(proposal=pb.Proposal(plain_steps=5)))
+        run = [(await call.read()).verdict for _ in range(5)]
+        assert [list(v.token_ids) for v in run] == [[t] for t in expected[:5]]
+        assert all(v.accepted == 0 and not v.stop_reason for v in run)
+        await call.write(proposal(expected[5:8]))                     # speculation goes on after it
+        verdict = (await call.read()).verdict
+        assert verdict.accepted == 3 and list(verdict.token_ids) == expected[5:9]
+        await call.write(pb.VerifyRequest(proposal=pb.Proposal(plain_steps=1000)))
+        rest = []
+        while True:
+            msg = await call.read()
+            if msg == grpc.aio.EOF:
+                break
+            rest.append(msg.verdict)
+        assert [t for v in rest for t in v.token_ids] == expected[9:]
+        assert len(rest) == N - 9 and rest[-1].stop_reason == pb.STOP_REASON_LENGTH
+        assert await call.code() == grpc.StatusCode.OK

@@ -142,17 +142,22 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if not self.keeper.owns(id(context), session.session_id):
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             f"session {session.session_id} was reopened on another stream")
-                    ran = await self._verify(context, session, list(req.proposal.token_ids),
-                                             req.proposal.distributions)
-                    verdict = ran.value
-                    metrics.VERIFY_SECONDS.observe(ran.seconds)
-                    # The draft worker's round span records this, next to its round-trip time.
-                    yield pb.VerifyResponse(verdict=pb.Verdict(
-                        accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
-                        verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                        token_cost=self.price.value * (1 - 1 / ran.batch_size)))
-                    if verdict.stop_reason != STOP_NONE:
-                        return
+                    proposal = req.proposal
+                    if proposal.plain_steps > 1 and proposal.token_ids:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            f"plain_steps ({proposal.plain_steps}) needs a proposal without tokens, "
+                                            f"got {len(proposal.token_ids)}")
+                    for _ in range(max(1, proposal.plain_steps)):
+                        ran = await self._verify(context, session, list(proposal.token_ids), proposal.distributions)
+                        verdict = ran.value
+                        metrics.VERIFY_SECONDS.observe(ran.seconds)
+                        # The draft worker's round span records this, next to its round-trip time.
+                        yield pb.VerifyResponse(verdict=pb.Verdict(
+                            accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
+                            verify_seconds=ran.seconds, batch_size=ran.batch_size,
+                            token_cost=self.price.value * (1 - 1 / ran.batch_size)))
+                        if verdict.stop_reason != STOP_NONE:
+                            return
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty VerifyRequest")
         finally:
