@@ -149,6 +149,16 @@ class SessionCache:
                 self._finalizer = weakref.finalize(self, _release_run, self.pool, self._run)
             self.pool._caches.add(self)
 
+    def copy_prefix(self, other: SessionCache, n: int) -> None:
+        """Fills this cache's first n positions with `other`'s (a prompt prefix both share): one
+        copy instead of recomputing them. Between passes only, like every change to the pool."""
+        with self.pool._lock:
+            n = min(n, other.length, self.capacity)
+            src, dst = slice(other.start, other.start + n), slice(self.start, self.start + n)
+            self.pool.keys[:, :, dst] = self.pool.keys[:, :, src]
+            self.pool.values[:, :, dst] = self.pool.values[:, :, src]
+            self.length = n
+
     def release(self) -> None:
         with self.pool._lock:
             self._finalizer()

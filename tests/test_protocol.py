@@ -156,3 +156,28 @@ async def test_a_run_of_plain_steps_answers_each_step_and_stops_with_the_session
         assert [t for v in rest for t in v.token_ids] == expected[9:]
         assert len(rest) == N - 9 and rest[-1].stop_reason == pb.STOP_REASON_LENGTH
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_shared_prompt_prefix_is_copied_not_recomputed(stack, tiny_models):
+    """A session whose prompt starts like one another session holds (live or kept) copies that
+    prefix's KV, and its output is the target's own all the same."""
+    prompt = PROMPT * 4                                 # 28 tokens
+    params = SamplingParams(max_new_tokens=N)
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        stub = pb_grpc.VerifyServiceStub(ch)
+
+        async def session(session_id: str, ids: list[int]) -> tuple[int, list[int]]:
+            call = stub.Verify(timeout=60)
+            await call.write(opening(session_id, prompt=ids))
+            cached = (await call.read()).opened.cached_tokens
+            await call.write(pb.VerifyRequest(proposal=pb.Proposal(plain_steps=N)))
+            out = [t for _ in range(N) for t in (await call.read()).verdict.token_ids]
+            return cached, out
+
+        donor = await session("prefix-donor", prompt)               # kept idle: it has a session id
+        assert donor == (0, reference(tiny_models[0], prompt, params))
+        longer = prompt + [3, 1, 4, 1, 5]
+        cached, out = await session("prefix-taker", longer)
+        assert cached == len(prompt) and out == reference(tiny_models[0], longer, params)
+        short = prompt[:10] + [8, 8, 8, 8, 8, 8, 8, 8]             # shares 10 < 16 tokens: computed
+        assert (await session("", short))[0] == 0

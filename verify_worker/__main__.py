@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "cannot stall the other sessions' rounds")
     add_flag(parser, "--admission-timeout", default=5.0, type=float,
              help="seconds a request waits for KV cache space before RESOURCE_EXHAUSTED")
+    add_flag(parser, "--share-prefixes", default=True, type=bool,
+             help="a new session copies the KV of the longest prompt prefix (16+ tokens) another live or "
+                  "kept session holds, instead of computing it")
     add_worker_flags(parser)
     return parser.parse_args(argv)
 
@@ -63,7 +66,8 @@ async def main(args: argparse.Namespace) -> None:
     batcher.observers.append(lambda sessions, tokens, prefill, seconds: (
         metrics.BATCH_SESSIONS.observe(sessions), metrics.BATCH_TOKENS.observe(tokens + prefill)))
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
-    servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk)
+    servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk,
+                              share_prefixes=args.share_prefixes)
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

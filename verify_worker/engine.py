@@ -83,6 +83,23 @@ class VerifyEngine:
                              generator=make_generator(params.seed, stream=0))
 
     @staticmethod
+    def share_prefix(s: TargetSession, donors: list[TargetSession], least: int = 16) -> int:
+        """Copies into s's cache the longest prompt prefix (at least `least` tokens, beyond what s
+        holds already) whose KV another session holds, live or idle; returns the positions s now
+        holds. On the inference thread, between passes: a donor released meanwhile is skipped."""
+        want = s.prompt_len - 1                   # the last prompt token goes with the first round
+        best, n = None, s.cache.length + least - 1
+        for d in donors:
+            if d is s or not d.cache.capacity:
+                continue
+            m = min(common_prefix(d.tokens, s.tokens[:want]), d.cache.length)
+            if m > n:
+                best, n = d, m
+        if best is not None:
+            s.cache.copy_prefix(best.cache, n)
+        return s.cache.length
+
+    @staticmethod
     def prefill_chunks(s: TargetSession, chunk: int) -> list[list[int]]:
         """The prompt tokens still to feed (all but the last, which goes with the first proposal,
         whose distribution it predicts), in pieces of at most `chunk`."""

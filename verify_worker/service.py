@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine, batcher: Batcher, keeper: SessionKeeper | None = None,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int = 256, share_prefixes: bool = True) -> None:
         self.engine = engine
+        self.share_prefixes = share_prefixes   # copy a prompt prefix's KV from another session
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
@@ -64,6 +65,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         except ProtocolError as e:
             self.keeper.release(id(context), None, keep=False)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.share_prefixes:
+            donors = [*self.sessions.values(), *self.keeper.idle.values()]
+            await self.batcher.between_passes(self.engine.share_prefix, session, donors)
         cached = session.cache.length
         with telemetry.span("prefill", {"tandem.prompt_tokens": len(prompt_ids),
                                         "tandem.cached_prompt_tokens": cached}) as span:
