@@ -23,6 +23,10 @@ Figures per level and mode:
   counts 5 x 10 ms), so percentiles are over tokens; the gateway's ITL histogram counts the same way.
 - acceptance: accepted / drafted tokens from the final usage of completed requests (cut ones
   have no usage).
+- prompt cached: the share of completed requests' prompt tokens whose KV the verify worker copied
+  from another session with the same prompt prefix (or kept from a turn) instead of computing it.
+  The streams cycle through the same few prompts, so after the first requests most of each prompt
+  is shared; with all-different prompts this is near 0 and prefill costs more.
 - errors by gRPC status code. A failed request is not retried: its stream pauses --error-pause
   seconds and goes on with its next request (in --requests-per-stream mode it counts as one).
 - sampled every --sample-seconds: peaks of the verify worker's gauges (KV used and budget, inference
@@ -109,6 +113,8 @@ class Record:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    prompt_tokens: int = 0          # of completed requests
+    cached_prompt_tokens: int = 0   # of those, copied or kept rather than computed
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     cut: int = 0                    # cancelled at --max-level-seconds
@@ -148,6 +154,8 @@ async def one_request(stub, req, rec: Record, timeout: float, error_pause: float
                 rec.drafted += u.draft_tokens
                 rec.accepted += u.accepted_tokens
                 rec.rounds += u.verify_rounds
+                rec.prompt_tokens += u.prompt_tokens
+                rec.cached_prompt_tokens += u.cached_prompt_tokens
                 rec.methods[u.draft_method] += 1
     except grpc.aio.AioRpcError as e:
         rec.errors[e.code().name] += 1
@@ -261,6 +269,7 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
             "itl_p50_s": pct(rec.itl, 50), "itl_p99_s": pct(rec.itl, 99),
             "acceptance": rec.accepted / rec.drafted if rec.drafted else None,
             "tokens_per_round": rec.generated / rec.rounds if rec.rounds else None,
+            "cached_prompt_share": rec.cached_prompt_tokens / rec.prompt_tokens if rec.prompt_tokens else None,
             "kv_used_peak": g.get("tandem_verify_kv_cache_used_tokens"),
             "kv_budget": g.get("tandem_verify_kv_cache_budget_tokens"),
             "verify_queue_peak": g.get("tandem_verify_queue_depth"),
@@ -311,8 +320,8 @@ def fmt(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
 
 def table(rows: list[dict]) -> str:
     columns = ["pair", "streams", "mode", "tokens/s", "spec/off", "vs 1 stream", "done", "cut", "errors",
-               "TTFT p50 / p99 s", "ITL p50 / p99 ms", "acceptance", "sessions / pass", "KV peak / budget",
-               "verify queue peak", "admission peak", "verify RSS MiB"]
+               "TTFT p50 / p99 s", "ITL p50 / p99 ms", "acceptance", "prompt cached", "sessions / pass",
+               "KV peak / budget", "verify queue peak", "admission peak", "verify RSS MiB"]
     out = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in rows:
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
@@ -320,7 +329,8 @@ def table(rows: list[dict]) -> str:
                    f"| {fmt(r['spec_over_off'], suffix='x')} | {fmt(r['over_1_stream'], suffix='x')} "
                    f"| {r['completed']} | {r['cut']} | {errors} | {fmt(r['ttft_p50_s'])} / {fmt(r['ttft_p99_s'])} "
                    f"| {fmt(r['itl_p50_s'], '.1f', 1000)} / {fmt(r['itl_p99_s'], '.1f', 1000)} "
-                   f"| {fmt(r['acceptance'], '.0%')} | {fmt(r['batch_sessions_mean'], '.1f')} "
+                   f"| {fmt(r['acceptance'], '.0%')} | {fmt(r['cached_prompt_share'], '.0%')} "
+                   f"| {fmt(r['batch_sessions_mean'], '.1f')} "
                    f"| {fmt(r['kv_used_peak'], '.0f')} / {fmt(r['kv_budget'], '.0f')} "
                    f"| {fmt(r['verify_queue_peak'], '.0f')} | {fmt(r['admission_queue_peak'], '.0f')} "
                    f"| {fmt(r['verify_rss_peak_mib'], '.0f')} |")

@@ -132,6 +132,7 @@ class NgramDrafter:
     (n = max_ngram down to min_ngram) and propose what followed it."""
 
     name = "ngram"
+    inline = True        # a list search, no torch: cheaper on the event loop than a thread hop
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

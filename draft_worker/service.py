@@ -188,6 +188,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def _propose(self, state, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts the next proposal in the background: (Draft, seconds until it was ready)."""
+        if getattr(state, "inline", False):
+            start = time.perf_counter()
+            done = asyncio.get_running_loop().create_future()
+            done.set_result((state.propose(tokens, k), time.perf_counter() - start))
+            return done
         if self.batcher is None or not hasattr(state, "propose_batched"):
             return asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, k))
 
