@@ -71,15 +71,19 @@ def test_price_cuts_proposals_to_the_positions_that_pay_for_themselves():
     assert c.choose(4) == 0                   # a saturated verify worker: decode plainly
 
 
-def test_token_price_is_marginal_pass_time_times_output_rate():
+def test_token_price_is_marginal_pass_time_times_output_per_pass_second():
     from verify_worker.price import TokenPrice
-    price = TokenPrice(horizon_s=1000.0)
+    price = TokenPrice(decay=1.0)
     assert price.value == 0.0
+    out = busy = 0.0
     for tokens, prefill in zip((1, 8, 16, 32, 64) * 4, (0, 0, 256, 0, 100, 0, 0)  * 3):
-        price.observe_pass(tokens, prefill, 0.05 + 0.002 * tokens + 0.0005 * prefill)
+        seconds = 0.05 + 0.002 * tokens + 0.0005 * prefill
+        price.observe_output(tokens // 2)                      # given out by the pass before
+        price.observe_pass(tokens, prefill, seconds)
+        out, busy = out + tokens // 2, busy + seconds
     assert abs(price.beta - 0.002) < 1e-4                      # prefill's cheaper tokens kept apart
-    price.observe_output(100_000)                              # 100 tokens/s over the 1000 s horizon
-    assert abs(price.value - 0.2) < 0.01
+    assert abs(price.rate - out / busy) < 1e-9                 # per second of passes, idle time aside
+    assert abs(price.value / (0.002 * out / busy) - 1) < 0.05
 
 
 def test_plain_rounds_planned_after_a_back_off_are_asked_for_as_one_run():

@@ -1,28 +1,28 @@
 """What one more position in a batched pass costs everyone: the `token_cost` sent with each verdict.
 
 Adding a position to a pass lengthens it by the marginal seconds per position (beta), and during
-that time the worker would have produced beta * R tokens, R being the tokens per second it produces
-now. So a proposed position pays off only if it is accepted with probability above beta * R (the
-draft worker's controller applies this). beta comes from a least-squares fit of pass time against
-the pass's round tokens and its prefill tokens (prefill runs cheaper per token, and would drag a
-one-variable slope down), over recent passes so that it describes the sizes the worker runs now; R
-is a decaying count of the tokens verdicts gave out.
+that time the worker would have produced beta * R tokens, R being the tokens it produces per second
+of forward passes. So a proposed position pays off only if it is accepted with probability above
+beta * R (the draft worker's controller applies this). beta comes from a least-squares fit of pass
+time against the pass's round tokens and its prefill tokens (prefill runs cheaper per token, and
+would drag a one-variable slope down), over recent passes so that it describes the sizes the worker
+runs now. R counts pass time, not wall time: a worker slowed by waste (half-empty passes, rejected
+positions) would otherwise show a low R and so a low price, inviting more of the speculation that
+slowed it down.
 """
 
 from __future__ import annotations
 
-import math
-import time
-
 
 class TokenPrice:
-    def __init__(self, decay: float = 0.95, horizon_s: float = 2.0) -> None:
-        self.decay, self.horizon = decay, horizon_s
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
         # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
         # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
-        self._count, self._at = 0.0, time.monotonic()            # decayed tokens given out
+        self._out = self._busy = 0.0        # decayed tokens given out and seconds of passes
+        self._pending = 0                   # tokens given out since the last pass was observed
 
     def observe_pass(self, round_tokens: int, prefill_tokens: int, seconds: float) -> None:
         x = (1.0, float(round_tokens), float(prefill_tokens))
@@ -30,11 +30,12 @@ class TokenPrice:
             self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
+        self._out = self._out * self.decay + self._pending
+        self._busy = self._busy * self.decay + seconds
+        self._pending = 0
 
     def observe_output(self, tokens: int) -> None:
-        now = time.monotonic()
-        self._count = self._count * math.exp((self._at - now) / self.horizon) + tokens
-        self._at = now
+        self._pending += tokens
 
     @property
     def beta(self) -> float:
@@ -49,8 +50,8 @@ class TokenPrice:
 
     @property
     def rate(self) -> float:
-        """Tokens per second given out lately."""
-        return self._count * math.exp((self._at - time.monotonic()) / self.horizon) / self.horizon
+        """Tokens given out per second of forward passes, lately."""
+        return self._out / self._busy if self._busy > 0 else 0.0
 
     @property
     def value(self) -> float:
