@@ -14,7 +14,7 @@ where acceptance comes in long runs, it proposed too little and lost 15% against
 
 Under load a proposal also costs the other sessions: each position it adds to a batched pass
 delays every session in it. The verify worker sends that price with each verdict (`token_cost`:
-its marginal seconds per position in a pass times the tokens per second it produces). Position j
+its marginal seconds per position in a pass times the tokens it produces per second of passes). Position j
 of a proposal is worth its place only if the chance that the target accepts the proposal through
 j exceeds that price, so k is cut to the positions whose measured acceptance does. At low load the
 price is near 0 and nothing is cut; when the verify worker is saturated it nears 1 and proposals

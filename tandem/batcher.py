@@ -9,7 +9,8 @@ of the token budget, so that a wave of new prompts does not hold up every runnin
 token. And after a pass, the next one waits a moment (at most `gather` of the last pass's time,
 capped at `max_wait`) for the sessions of that pass to queue their next step: they get their
 results a moment after the pass ends, and without the wait each pass would start with whichever
-few were back first.
+few were back first. It waits only for sessions that came back within that time the last time:
+one whose step goes through another worker (drafting a proposal with a model) is not waited for.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class _Item:
 
 class Batcher:
     def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512,
-                 gather: float = 0.3, max_wait: float = 0.1) -> None:
+                 gather: float = 0.3, max_wait: float = 0.25) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
         self.gather, self.max_wait = gather, max_wait
         self._last: list[SessionCache] = []          # the sessions of the last pass
         self._last_seconds = 0.0
         self._queue: deque[_Item] = deque()
+        self._answered: dict[int, float] = {}          # by cache: when its last result was given
+        self._away: dict[int, float] = {}              # by cache: how long it took to queue again
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # per pass: (sessions, round tokens, prefill tokens, seconds)
@@ -66,6 +69,8 @@ class Batcher:
     def leave(self, cache: SessionCache) -> None:
         """The session of `cache` queues nothing more: the next pass need not wait for it."""
         self._last = [c for c in self._last if c is not cache]
+        self._answered.pop(id(cache), None)
+        self._away.pop(id(cache), None)
 
     async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
                       then: Callable | None = None, prefill: bool = False) -> Ran:
@@ -75,6 +80,9 @@ class Batcher:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="batcher")
         item = _Item(cache, tokens, last, then, prefill)
+        answered = self._answered.pop(id(cache), None)
+        if answered is not None:
+            self._away[id(cache)] = asyncio.get_running_loop().time() - answered
         self._queue.append(item)
         self._wake.set()
         return await item.future
@@ -97,7 +105,12 @@ class Batcher:
                 for observe in self.observers:
                     observe(len(batch), tokens, prefill, seconds)
                 self._last, self._last_seconds = [i.cache for i in batch if not i.prefill], seconds
+                now = asyncio.get_running_loop().time()
+                if len(self._answered) > 10_000:   # sessions that ended without leave(): forget them
+                    self._answered.clear()
+                    self._away.clear()
                 for item, outcome in zip(batch, outcomes):
+                    self._answered[id(item.cache)] = now
                     if item.future.done():       # the session gave up (cancelled) meanwhile
                         continue
                     if isinstance(outcome, Exception):
@@ -108,10 +121,12 @@ class Batcher:
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(self.max_wait, self.gather * self._last_seconds)
+        wait = min(self.max_wait, self.gather * self._last_seconds)
+        deadline = loop.time() + wait
         while True:
             queued = {id(i.cache) for i in self._queue}
-            missing = [c for c in self._last if c.capacity and id(c) not in queued]
+            missing = [c for c in self._last if c.capacity and id(c) not in queued
+                       and self._away.get(id(c), 0.0) < wait]
             left = deadline - loop.time()
             if not missing or left <= 0:
                 return

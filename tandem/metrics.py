@@ -83,7 +83,7 @@ BATCH_SESSIONS = Histogram("tandem_verify_batch_sessions", "Sessions in one batc
 BATCH_TOKENS = Histogram("tandem_verify_batch_tokens", "Tokens in one batched forward pass of the target",
                          buckets=(1, 4, 16, 64, 256, 512, 1024, 2048), registry=_NO)
 TOKEN_COST = Gauge("tandem_verify_token_cost", "The price of one proposed position sent with verdicts: marginal "
-                   "pass seconds per position times output tokens per second", registry=_NO)
+                   "pass seconds per position times output tokens per second of passes", registry=_NO)
 KV_POOL_BYTES = Gauge("tandem_verify_kv_pool_bytes", "Bytes of the preallocated KV cache pool", registry=_NO)
 VERIFY_RUNNING = Gauge("tandem_verify_running_sessions", "Sessions with a stream open on this worker", registry=_NO)
 VERIFY_IDLE = Gauge("tandem_verify_idle_sessions", "Finished sessions whose KV is kept for their next turn",
