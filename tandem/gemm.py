@@ -44,4 +44,10 @@ def pack_linears(model: torch.nn.Module) -> int:
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, shared=id(child.weight) in others))
+    if swaps:
+        # What is left (embeddings, norms, biases) may still be views of the memory-mapped weights
+        # file, which would keep every page packing read mapped: copy it so the file can go.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
     return len(swaps)
