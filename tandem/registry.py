@@ -80,6 +80,9 @@ class Registry:
         return live
 
 
+STOP_TIMEOUT_S = 5.0           # longest wait for a beat in flight, and for the deregistration
+
+
 class Heartbeat:
     """Re-announces a worker every `interval` seconds until stopped; Redis outages are logged and
     ridden out (the worker keeps serving the streams it has, and re-appears when Redis is back)."""
@@ -91,8 +94,10 @@ class Heartbeat:
         self.ttl = 3 * interval
         self._task: asyncio.Task | None = None
         self._info: WorkerInfo | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
+        self._stopping.clear()
         healthy = await self._beat(healthy=True)
         self._task = asyncio.create_task(self._run(healthy))
 
@@ -112,23 +117,30 @@ class Heartbeat:
 
     async def _run(self, healthy: bool) -> None:
         while True:
-            await asyncio.sleep(self.interval)
-            healthy = await self._beat(healthy)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.interval)
+                return
+            except asyncio.TimeoutError:
+                healthy = await self._beat(healthy)
 
     async def stop(self) -> None:
         """Stops announcing and removes the worker from the registry, so no new session is routed here."""
+        # The loop is asked to end between beats rather than cancelled: a Redis command cancelled
+        # half-way can leave its connection waiting for a reply, and the deregistration after it
+        # then never returned, which held up a worker's drain. Both waits are bounded all the same.
         if self._task is not None:
-            self._task.cancel()
+            self._stopping.set()
             try:
-                await self._task
-            except asyncio.CancelledError:
+                await asyncio.wait_for(self._task, self.interval + STOP_TIMEOUT_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
                 pass
             self._task = None
         if self._info is not None:
             try:
-                await self.registry.deregister(self._info.pool, self._info.address)
-            except (RedisError, OSError) as e:
-                log.warning("cannot deregister from Redis (the key expires in %.0fs): %s", self.ttl, e)
+                await asyncio.wait_for(self.registry.deregister(self._info.pool, self._info.address),
+                                       STOP_TIMEOUT_S)
+            except (RedisError, OSError, asyncio.TimeoutError) as e:
+                log.warning("cannot deregister from Redis (the key expires in %.0fs): %r", self.ttl, e)
 
 
 def advertise_address(host: str, port: int, override: str = "") -> str:
