@@ -95,8 +95,8 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
              help="at start-up, measure the forward pass for each number of new tokens and pad "
                   "inputs to a longer length where that is faster")
     add_flag(parser, "--packed-gemm", default=True, type=bool,
-             help="float32 on the CPU: multiply several rows at once (verification, batches, prefill) "
-                  "with oneDNN on weights packed at start-up; costs a second copy of the Linear weights")
+             help="float32 on the CPU: run Linear layers in oneDNN on weights packed at start-up instead of "
+                  "torch's stock kernel (a tied output layer gets its own packed copy)")
 
 
 def add_kv_flags(parser: argparse.ArgumentParser, default_tokens: int) -> None:
