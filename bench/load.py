@@ -35,6 +35,10 @@ Figures per level and mode:
   next turn too, so it fills towards the budget as requests accumulate over the levels.
 - sessions / pass: the verify worker's mean sessions per batched forward pass over the level (from
   its tandem_verify_batch_sessions histogram; null without one).
+- verify busy: the share of the level's wall time the verify worker spent in forward passes (its
+  tandem_verify_busy_seconds counter).
+- CPU cores: CPU seconds per wall second of this client and of each service process over the level
+  (from /proc), to see where a shared machine's cores go.
 Prints a markdown table and writes JSON (default bench/results/load.json).
 """
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import time
 import urllib.request
 from collections import Counter
@@ -176,6 +181,9 @@ async def stream(stub, reqs: list, offset: int, rec: Record, end: float, a) -> N
         n += 1
 
 
+BUSY = "tandem_verify_busy_seconds_total"
+
+
 def scrape(url: str, kind: str = "gauge") -> dict[str, float]:
     """A /metrics page's tandem_* samples of one kind by name, of a histogram only _sum and _count
     ({} if unreachable)."""
@@ -192,6 +200,20 @@ def mean_over(before: dict, after: dict, histogram: str) -> float | None:
     """A histogram's mean over what it observed between two scrapes (None: nothing, or no such metric)."""
     n = after.get(histogram + "_count", 0) - before.get(histogram + "_count", 0)
     return (after[histogram + "_sum"] - before[histogram + "_sum"]) / n if n else None
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process so far (this one by default; None if it is gone)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_all(stack: Stack) -> dict[str, float | None]:
+    return {"client": cpu_seconds(), **{name: cpu_seconds(p.pid) for name, p in stack.procs.items()}}
 
 
 def rss_mib(pid: int) -> float | None:
@@ -243,6 +265,8 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
     await settle(stack)
     verify_metrics = stack.metrics_url("verify_worker")
     before = await asyncio.to_thread(scrape, verify_metrics, "histogram")
+    busy_before = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
+    cpu_before = cpu_all(stack)
     async with grpc.aio.insecure_channel(stack.address("gateway")) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
         sampler = asyncio.create_task(sample(stack, stop, a.sample_seconds))
@@ -259,7 +283,11 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
             t.result()                  # a bug in this file, not a gRPC status: raise it
         stop.set()
         peaks = await sampler
+    cpu_after = cpu_all(stack)
     after = await asyncio.to_thread(scrape, verify_metrics, "histogram")
+    busy_after = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
+    cpu = {name: (cpu_after[name] - b) / wall for name, b in cpu_before.items()
+           if b is not None and cpu_after.get(name) is not None}
     g = peaks["gauges"]
     admission = [v for k, v in g.items() if "admission" in k]
     return {"streams": streams, "method": method, "wall_s": wall, "tokens": rec.tokens, "tok_s": rec.tokens / wall,
@@ -277,7 +305,8 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
             "gateway_running_peak": g.get("tandem_gateway_running_requests"),
             "batch_sessions_mean": mean_over(before, after, "tandem_verify_batch_sessions"),
             "batch_tokens_mean": mean_over(before, after, "tandem_verify_batch_tokens"),
-            "verify_rss_peak_mib": peaks["verify_rss_mib"], "gauge_peaks": g}
+            "verify_busy_share": (busy_after - busy_before) / wall if None not in (busy_before, busy_after) else None,
+            "cpu_share": cpu, "verify_rss_peak_mib": peaks["verify_rss_mib"], "gauge_peaks": g}
 
 
 async def run_levels(stack: Stack, pair: str, spec: str, levels: list[int], a) -> list[dict]:
@@ -318,9 +347,13 @@ def fmt(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
     return "-" if x is None else f"{x * scale:{spec}}{suffix}"
 
 
+PROCESSES = ("client", "gateway", "draft_worker", "verify_worker")
+
+
 def table(rows: list[dict]) -> str:
     columns = ["pair", "streams", "mode", "tokens/s", "spec/off", "vs 1 stream", "done", "cut", "errors",
                "TTFT p50 / p99 s", "ITL p50 / p99 ms", "acceptance", "prompt cached", "sessions / pass",
+               "verify busy", "CPU cores: client / gateway / draft / verify",
                "KV peak / budget", "verify queue peak", "admission peak", "verify RSS MiB"]
     out = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in rows:
@@ -330,7 +363,8 @@ def table(rows: list[dict]) -> str:
                    f"| {r['completed']} | {r['cut']} | {errors} | {fmt(r['ttft_p50_s'])} / {fmt(r['ttft_p99_s'])} "
                    f"| {fmt(r['itl_p50_s'], '.1f', 1000)} / {fmt(r['itl_p99_s'], '.1f', 1000)} "
                    f"| {fmt(r['acceptance'], '.0%')} | {fmt(r['cached_prompt_share'], '.0%')} "
-                   f"| {fmt(r['batch_sessions_mean'], '.1f')} "
+                   f"| {fmt(r['batch_sessions_mean'], '.1f')} | {fmt(r['verify_busy_share'], '.0%')} "
+                   f"| {' / '.join(fmt(r['cpu_share'].get(n)) for n in PROCESSES)} "
                    f"| {fmt(r['kv_used_peak'], '.0f')} / {fmt(r['kv_budget'], '.0f')} "
                    f"| {fmt(r['verify_queue_peak'], '.0f')} | {fmt(r['admission_queue_peak'], '.0f')} "
                    f"| {fmt(r['verify_rss_peak_mib'], '.0f')} |")

@@ -53,6 +53,15 @@ class Survival:
             self.reached[j] = self.reached[j] * self.decay + 1
             self.accepted[j] = self.accepted[j] * self.decay + (accepted >= j)
 
+    def copy(self, weight: float) -> Survival:
+        """A copy whose counts weigh at most `weight` proposals, so that a session's own rounds soon
+        outweigh it."""
+        scale = min(1.0, weight / self.reached[1]) if self.reached[1] else 1.0
+        c = Survival(len(self.reached) - 1, self.decay)
+        c.reached = [x * scale for x in self.reached]
+        c.accepted = [x * scale for x in self.accepted]
+        return c
+
     def worth(self, k: int, price: float) -> int:
         """The longest prefix of k positions each of which is accepted more often than `price`
         (all k when there is no price: the worker has time to spare)."""
@@ -65,10 +74,15 @@ class Survival:
 
 
 class SpeculationController:
-    def __init__(self, plain_ms: float, decay: float = 0.8, backoff: int = 4, max_backoff: int = 64) -> None:
-        """plain_ms: one plain decode round as the verify worker measured it (the prior for plain)."""
-        self.survival = Survival()
-        self.price = 0.0                 # the verify worker's last token_cost
+    def __init__(self, plain_ms: float, decay: float = 0.8, backoff: int = 4, max_backoff: int = 64,
+                 prior: Survival | None = None, price: float = 0.0) -> None:
+        """plain_ms: one plain decode round as the verify worker measured it (the prior for plain).
+        prior: the acceptance of this drafter's recent proposals across sessions, which a session
+        starts from (weighing 4 proposals) and adds its own to; price: the verify worker's
+        token_cost when the session opened."""
+        self.prior = prior
+        self.survival = prior.copy(4) if prior is not None else Survival()
+        self.price = price               # the verify worker's last token_cost
         self.speculative, self.plain = _Rate(decay), _Rate(decay)
         self.plain.add(1, plain_ms / 1000)
         self.min_backoff, self.max_backoff = backoff, max_backoff
@@ -86,9 +100,9 @@ class SpeculationController:
             self.plain_rounds_left -= 1
             self.trial = self.plain_rounds_left == 0
             return 0
-        if self.trial:
+        if self.trial:               # full k, but still only the positions that pay their price
             self.trial = False
-            return k
+            return max(1, self.survival.worth(k, self.price))
         k = self.survival.worth(k, self.price)
         if k == 0:
             self._back_off()
@@ -116,15 +130,19 @@ class SpeculationController:
             self.plain.add(tokens, seconds)
             return
         self.speculative.add(tokens, seconds)
-        self.survival.add(proposed, tokens - 1 if accepted is None else accepted)
+        accepted = tokens - 1 if accepted is None else accepted
+        self.survival.add(proposed, accepted)
+        if self.prior is not None:
+            self.prior.add(proposed, accepted)
         if self.speculative.value < self.plain.value:
             self._back_off()
         else:
             self.backoff = self.min_backoff
 
 
-def controller_for(verify_ms: list[float]) -> SpeculationController | None:
+def controller_for(verify_ms: list[float], prior: Survival | None = None,
+                   price: float = 0.0) -> SpeculationController | None:
     """None (always propose the requested k) when the verify worker did not measure its costs."""
     if not verify_ms:
         return None
-    return SpeculationController(verify_ms[0])
+    return SpeculationController(verify_ms[0], prior=prior, price=price)

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from draft_worker.controller import controller_for
+from draft_worker.controller import Survival, controller_for
 from draft_worker.drafters import Draft, Drafter
 from tandem import logs, metrics, telemetry, wire
 from tandem.batcher import Batcher
@@ -45,6 +45,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
         self.inference = inference
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # by (method, verify worker): acceptance by position over recent sessions, a new session's prior
+        self._acceptance: dict[tuple[str, str], Survival] = {}
         self.sessions: dict[int, object] = {}     # drafter state by stream, while the stream lives
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
         metrics.declare_methods(drafters)
@@ -87,7 +89,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # Greedy only: a sampled request's output must not depend on measured timings, so that
             # its seed reproduces it on any worker.
             adaptive = self.adaptive_k and params.greedy
-            control = controller_for(opened.forward_ms) if adaptive else None
+            prior = self._acceptance.setdefault((drafter.name, request.verify_address), Survival())
+            control = controller_for(opened.forward_ms, prior, opened.token_cost) if adaptive else None
 
             def next_k() -> int:
                 k = plan_k(request.num_speculative_tokens, len(tokens), len(tokens) - len(prompt),
@@ -124,13 +127,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 if not continued:
                     metrics.PROPOSE.observe(propose_s)
                     metrics.ROUND_TRIP.observe(rtt_s)
-                metrics.observe_verdict(drafter.name, len(draft.tokens), verdict.accepted)
-                rounds, drafted, accepted = rounds + 1, drafted + len(draft.tokens), accepted + verdict.accepted
+                checked = len(draft.tokens) - verdict.unverified    # what the target judged
+                metrics.observe_verdict(drafter.name, checked, verdict.accepted)
+                rounds, drafted, accepted = rounds + 1, drafted + checked, accepted + verdict.accepted
                 if control is not None:
-                    control.observe(len(draft.tokens), len(verdict.token_ids), propose_s + rtt_s,
+                    control.observe(checked, len(verdict.token_ids), propose_s + rtt_s,
                                     verdict.accepted, verdict.token_cost)
                 tokens.extend(verdict.token_ids)
-                chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=len(draft.tokens),
+                chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked,
                                       accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
                                       cached_tokens=cached)
                 cached = 0

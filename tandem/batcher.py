@@ -31,6 +31,7 @@ class Ran:
     value: Any           # what the item's follow-up returned (its logits when it had none)
     seconds: float       # the whole batch's forward pass and follow-ups
     batch_size: int      # sessions taken into that pass
+    fed: int             # tokens of this item the pass took (fewer than given when it was cut)
 
 
 @dataclass
@@ -40,7 +41,15 @@ class _Item:
     last: int | None
     then: Callable | None
     prefill: bool
+    least: int | None    # may be cut to this many tokens when the budget is short (None: never)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def _cut(item: _Item, cap: int | None) -> int:
+    """How many of the item's tokens go into a pass whose rounds are cut to `cap`."""
+    if cap is None or item.least is None:
+        return len(item.tokens)
+    return max(item.least, min(len(item.tokens), cap))
 
 
 class Batcher:
@@ -73,13 +82,15 @@ class Batcher:
         self._away.pop(id(cache), None)
 
     async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
-                      then: Callable | None = None, prefill: bool = False) -> Ran:
+                      then: Callable | None = None, prefill: bool = False, least: int | None = None) -> Ran:
         """Feeds `tokens` after `cache`'s in the next batch with room; `then(logits)` runs on the
         inference thread after the pass. Exceptions from the pass or from `then` are raised here.
-        `prefill`: a prompt chunk, which yields to rounds and decode steps."""
+        `prefill`: a prompt chunk, which yields to rounds and decode steps. `least`: the round may
+        be cut to its first `least` tokens when the token budget cannot hold every queued round
+        whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed` says how many)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        item = _Item(cache, tokens, last, then, prefill)
+        item = _Item(cache, tokens, last, then, prefill, least)
         answered = self._answered.pop(id(cache), None)
         if answered is not None:
             self._away[id(cache)] = asyncio.get_running_loop().time() - answered
@@ -116,7 +127,7 @@ class Batcher:
                     if isinstance(outcome, Exception):
                         item.future.set_exception(outcome)
                     else:
-                        item.future.set_result(Ran(outcome, seconds, len(batch)))
+                        item.future.set_result(Ran(outcome, seconds, len(batch), len(item.tokens)))
 
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""
@@ -139,24 +150,50 @@ class Batcher:
     def _take(self) -> list[_Item]:
         """Rounds and decode steps first, then prefill chunks, each in arrival order, up to the token
         budget (the first item always goes); one item per session, so a session's second request
-        waits for the pass after its first."""
+        waits for the pass after its first. When the rounds do not fit whole, the longest proposals
+        are cut to a common length first, so that every session gets its round."""
         batch: list[_Item] = []
         tokens = 0
         seen: set[int] = set()
-        for want_prefill in (False, True):
-            for item in self._queue:
-                if item.prefill != want_prefill or item.future.done() or id(item.cache) in seen:
-                    continue
-                if batch and tokens + len(item.tokens) > self.max_tokens:
-                    if want_prefill:
-                        break
-                    continue
+        rounds = []
+        for item in self._queue:
+            if not item.prefill and not item.future.done() and id(item.cache) not in seen:
                 seen.add(id(item.cache))
-                batch.append(item)
-                tokens += len(item.tokens)
+                rounds.append(item)
+        cap = self._cap(rounds)
+        for item in rounds:
+            n = _cut(item, cap)
+            if batch and tokens + n > self.max_tokens:
+                continue
+            del item.tokens[n:]
+            batch.append(item)
+            tokens += n
+        for item in self._queue:
+            if not item.prefill or item.future.done() or id(item.cache) in seen:
+                continue
+            if batch and tokens + len(item.tokens) > self.max_tokens:
+                break
+            seen.add(id(item.cache))
+            batch.append(item)
+            tokens += len(item.tokens)
         taken = {id(i) for i in batch}
         self._queue = deque(i for i in self._queue if id(i) not in taken and not i.future.done())
         return batch
+
+    def _cap(self, rounds: list[_Item]) -> int | None:
+        """The longest length to cut proposals to so that all rounds fit the budget (None: they fit
+        whole; 1 when even that is too much, and the rounds that do not fit wait)."""
+        longest = max((len(i.tokens) for i in rounds), default=0)
+        if sum(_cut(i, longest) for i in rounds) <= self.max_tokens:
+            return None
+        low, high = 1, longest          # the largest cap that fits, by bisection
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sum(_cut(i, mid) for i in rounds) <= self.max_tokens:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def _run(self, batch: list[_Item]) -> list[Any]:
         """On the inference thread: room for every item first (an item that cannot get it fails

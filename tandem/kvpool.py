@@ -13,6 +13,7 @@ linear layers see them all at once, and `pool_attention` (registered with transf
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -121,6 +122,13 @@ class SessionCache:
         self.pool = pool
         self.capacity = max(1, capacity)
         self.length = 0
+        # Where the bits of the leading positions came from, so that sessions holding copies of one
+        # prompt prefix read it once per pass (see `prefix_key`): `_origin` (source, positions) after
+        # copy_prefix; `uid` names this cache's own positions, renamed when positions it lent are
+        # rewritten; `_lent`: how many of them were copied under the current uid.
+        self.uid = next(_uids)
+        self._origin: tuple[int, int] | None = None
+        self._lent = 0
         with pool._lock:                                  # compact must see every run it does not own
             self.start = pool.allocate(self.capacity)
             pool._caches.add(self)
@@ -130,6 +138,19 @@ class SessionCache:
     def crop(self, length: int) -> None:
         if length < self.length:
             self.length = length
+            self._rewrite_from(length)
+
+    def prefix_key(self) -> tuple[int, int]:
+        """(source, n): this cache's first n positions hold, bit for bit, the keys and values of
+        every other cache's first n positions with the same source."""
+        return self._origin if self._origin is not None else (self.uid, self.length)
+
+    def _rewrite_from(self, position: int) -> None:
+        """Positions from `position` on will be written anew."""
+        if self._origin is not None and position < self._origin[1]:
+            self._origin = (self._origin[0], position) if position > 0 else None
+        if position < self._lent:
+            self.uid, self._lent = next(_uids), 0
 
     def reserve(self, total: int) -> None:
         """Makes room for `total` positions, moving to a longer run (one copy) when needed."""
@@ -157,7 +178,16 @@ class SessionCache:
             src, dst = slice(other.start, other.start + n), slice(self.start, self.start + n)
             self.pool.keys[:, :, dst] = self.pool.keys[:, :, src]
             self.pool.values[:, :, dst] = self.pool.values[:, :, src]
+            self._rewrite_from(0)
             self.length = n
+            if n <= 0:
+                return
+            source, shared = other.prefix_key()
+            if n > shared:                        # beyond other's origin: other's own positions
+                source = other.uid
+            if source == other.uid:
+                other._lent = max(other._lent, n)
+            self._origin = (source, n)
 
     def release(self) -> None:
         with self.pool._lock:
@@ -169,6 +199,9 @@ class SessionCache:
         return self.length * self.pool.bytes_per_token
 
 
+_uids = itertools.count(1)
+
+
 def _release_run(pool: KVPool, run: list[int]) -> None:
     if run[1]:
         pool.release(run[0], run[1])
@@ -177,28 +210,109 @@ def _release_run(pool: KVPool, run: list[int]) -> None:
 
 @dataclass
 class Segment:
-    """One session's new tokens inside a batched forward pass."""
-    offset: int          # first index in the flat sequence
-    n: int               # new tokens
-    start: int           # the session's first slot in the pool
-    past: int            # positions already cached
-    mask: torch.Tensor | None    # [n, past + n] causal mask; None when n == 1
+    """One session's new tokens inside a batched forward pass, and the positions they attend."""
+    new: slice           # their place in the flat sequence
+    keys: torch.Tensor   # [layers, 1, Hkv, positions, D]: a view of the session's run, every layer
+    values: torch.Tensor
+    mask: torch.Tensor | None    # [n, positions] additive causal mask; None when n == 1
+
+
+@dataclass
+class Shared:
+    """Sessions of one pass whose runs begin with copies of the same prompt prefix. Their queries
+    attend that prefix together, read once from one of the runs, and their own positions after it
+    in one padded call (gathered: they are short); the two partial attentions are merged by their
+    log-sum-exp, as one attention over all positions would weigh them. Padded as [B, N] queries and
+    [B, L] own positions, each row repeating its last real entry, masked."""
+    queries: torch.Tensor        # [B * N] flat index of each (session, new token), padded
+    own: torch.Tensor            # [B * L] pool slot of each (session, position after the prefix), padded
+    mask: torch.Tensor           # [B, 1, N, L] additive
+    real: torch.Tensor           # indices into B * N of the real queries, in flat order of the sessions
+    keys: torch.Tensor           # [layers, 1, Hkv, prefix, D]: the prefix, from one of the runs
+    values: torch.Tensor
+    shape: tuple[int, int, int]  # B, N, L
+
+    @classmethod
+    def build(cls, pool: KVPool, parts: list[tuple[int, int, int, int]], prefix: int) -> Shared:
+        """parts: (flat offset, start slot, past, new tokens) per session."""
+        offset, start, past, n = (torch.tensor(x) for x in zip(*parts))
+        own_n = past + n - prefix
+        b, width, length = len(parts), int(n.max()), int(own_n.max())
+        i, j = torch.arange(width), torch.arange(length)
+        queries = offset[:, None] + torch.minimum(i[None], n[:, None] - 1)                  # [B, N]
+        own = (start + prefix)[:, None] + torch.minimum(j[None], own_n[:, None] - 1)        # [B, L]
+        real = i[None] < n[:, None]
+        # query i of a session sees its own positions up to past - prefix + i; a padded row sees
+        # the first only (a row with nothing to see would be NaN)
+        limit = torch.where(real, (past - prefix)[:, None] + i[None], 0)
+        mask = torch.zeros(b, 1, width, length, dtype=pool.keys.dtype)
+        mask.masked_fill_(j[None, None, None] > limit[:, None, :, None], float("-inf"))
+        first, device = int(start[0]), pool.keys.device
+        return cls(queries.flatten().to(device), own.flatten().to(device), mask.to(device),
+                   real.flatten().nonzero().flatten().to(device), pool.keys[:, None, :, first:first + prefix],
+                   pool.values[:, None, :, first:first + prefix], (b, width, length))
 
 
 @dataclass
 class ForwardBatch:
+    """What attention needs of a batch, built once per pass: per layer it then costs one write of
+    all new keys and values and one attention call per session or shared prefix (slicing the pool
+    per layer and session cost as much as the attention itself)."""
     pool: KVPool
-    segments: list[Segment]
+    slots: torch.Tensor          # [T] the pool slot each new token's key and value go to
+    segments: list[Segment]      # sessions attended alone
+    shared: list[Shared]
+    order: torch.Tensor | None   # flat index -> place in the computed output, None when the same
+
+    MIN_SHARED = 16              # a shorter common prefix is attended per session
+    SHORT = 32                   # sessions feeding more new tokens (prefill chunks) attend alone
+    # Shared prefixes need attention's log-sum-exp, which torch exposes on the CPU; elsewhere
+    # each session attends alone.
 
     @classmethod
-    def build(cls, pool: KVPool, parts: list[tuple[int, int, int]]) -> ForwardBatch:
-        """parts: (start slot, past length, new tokens) per session, in flat-sequence order."""
-        segments, offset = [], 0
-        for start, past, n in parts:
-            mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(past)
-            segments.append(Segment(offset, n, start, past, mask))
-            offset += n
-        return cls(pool, segments)
+    def build(cls, pool: KVPool, parts: list[tuple[int, int, int, tuple[int, int]]]) -> ForwardBatch:
+        """parts: (start slot, past length, new tokens, the cache's prefix_key) per session, in
+        flat-sequence order."""
+        slots, offsets, by_source = [], [], {}
+        for i, (start, past, n, (source, shared)) in enumerate(parts):
+            slots.extend(range(start + past, start + past + n))
+            offsets.append(offsets[-1] + parts[i - 1][2] if i else 0)
+            if n <= cls.SHORT:                # a prefill chunk pads nothing: it attends alone
+                by_source.setdefault(source, []).append(i)
+        alone, groups = [i for i, p in enumerate(parts) if p[2] > cls.SHORT], []
+        for members in by_source.values():
+            prefix = min(min(parts[i][3][1], parts[i][1]) for i in members)
+            if len(members) > 1 and prefix >= cls.MIN_SHARED and pool.keys.device.type == "cpu":
+                groups.append((members, prefix))
+            else:
+                alone.extend(members)
+        alone.sort()
+
+        def segment(i: int) -> Segment:
+            start, past, n, _ = parts[i]
+            run = slice(start, start + past + n)
+            mask = None
+            if n > 1:
+                mask = torch.zeros(n, past + n, dtype=pool.keys.dtype, device=pool.keys.device)
+                mask.masked_fill_(~torch.ones(n, past + n, dtype=torch.bool, device=pool.keys.device).tril(past),
+                                  float("-inf"))
+            return Segment(slice(offsets[i], offsets[i] + n), pool.keys[:, None, :, run],
+                           pool.values[:, None, :, run], mask)
+
+        shared, computed = [], list(alone)
+        for members, prefix in groups:
+            shared.append(Shared.build(pool, [(offsets[i], *parts[i][:3]) for i in members], prefix))
+            computed.extend(members)
+        order = None
+        if shared:
+            place = [j for i in computed for j in range(offsets[i], offsets[i] + parts[i][2])]
+            order = torch.empty(len(place), dtype=torch.long)
+            order[torch.tensor(place)] = torch.arange(len(place))
+        return cls(pool, torch.tensor(slots, device=pool.keys.device), [segment(i) for i in alone],
+                   shared, order)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def pool_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -206,17 +320,29 @@ def pool_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] for the T new tokens of the batch; writes the
     new keys and values into each session's run and returns [1, T, Hq, D]."""
     batch: ForwardBatch = kwargs["tandem_batch"]
-    keys, values = batch.pool.keys[module.layer_idx], batch.pool.values[module.layer_idx]
+    layer = module.layer_idx
+    batch.pool.keys[layer].index_copy_(1, batch.slots, key[0])
+    batch.pool.values[layer].index_copy_(1, batch.slots, value[0])
     gqa = query.shape[1] != key.shape[1]
-    out = torch.empty_like(query)
-    for s in batch.segments:
-        new = slice(s.offset, s.offset + s.n)
-        run = slice(s.start, s.start + s.past + s.n)
-        keys[:, s.start + s.past:run.stop] = key[0, :, new]
-        values[:, s.start + s.past:run.stop] = value[0, :, new]
-        out[:, :, new] = F.scaled_dot_product_attention(
-            query[:, :, new], keys[None, :, run], values[None, :, run], attn_mask=s.mask,
-            scale=scaling, enable_gqa=gqa)
+    out = [F.scaled_dot_product_attention(query[:, :, s.new], s.keys[layer], s.values[layer], attn_mask=s.mask,
+                                          scale=scaling, enable_gqa=gqa) for s in batch.segments]
+    keys, values = batch.pool.keys[layer], batch.pool.values[layer]
+    hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
+    for g in batch.shared:
+        b, n, length = g.shape
+        q = query[0].index_select(1, g.queries)                                  # [Hq, B * N, D]
+        o_pre, lse_pre = _flash(q[None], g.keys[layer], g.values[layer], scale=scaling)
+        k = keys.index_select(1, g.own).view(hkv, b, length, d).transpose(0, 1)
+        v = values.index_select(1, g.own).view(hkv, b, length, d).transpose(0, 1)
+        o_own, lse_own = _flash(q.view(hq, b, n, d).transpose(0, 1), k, v, attn_mask=g.mask, scale=scaling)
+        o_own = o_own.transpose(0, 1).reshape(1, hq, b * n, d)
+        lse_own = lse_own.transpose(0, 1).reshape(1, hq, b * n)
+        top = torch.maximum(lse_pre, lse_own)
+        w_pre, w_own = (lse_pre - top).exp_().unsqueeze_(-1), (lse_own - top).exp_().unsqueeze_(-1)
+        out.append(((o_pre * w_pre + o_own * w_own) / (w_pre + w_own)).index_select(2, g.real))
+    out = torch.cat(out, dim=2) if len(out) > 1 else out[0]
+    if batch.order is not None:
+        out = out.index_select(2, batch.order)
     return out.transpose(1, 2), None
 
 

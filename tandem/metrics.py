@@ -82,6 +82,8 @@ BATCH_SESSIONS = Histogram("tandem_verify_batch_sessions", "Sessions in one batc
                            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=_NO)
 BATCH_TOKENS = Histogram("tandem_verify_batch_tokens", "Tokens in one batched forward pass of the target",
                          buckets=(1, 4, 16, 64, 256, 512, 1024, 2048), registry=_NO)
+BUSY_SECONDS = Counter("tandem_verify_busy_seconds", "Seconds the target spent in batched forward passes and "
+                       "their follow-ups; its rate is the worker's utilisation", registry=_NO)
 TOKEN_COST = Gauge("tandem_verify_token_cost", "The price of one proposed position sent with verdicts: marginal "
                    "pass seconds per position times output tokens per second of passes", registry=_NO)
 KV_POOL_BYTES = Gauge("tandem_verify_kv_pool_bytes", "Bytes of the preallocated KV cache pool", registry=_NO)
@@ -105,7 +107,7 @@ _OWNED = {
                      SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, PIPELINED],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
                       PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
-                      KV_POOL_BYTES, TOKEN_COST],
+                      KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS],
 }
 SERVICES = tuple(_OWNED)
 

@@ -118,7 +118,7 @@ class CausalLM:
             keep.extend(range(len(ids) + len(token_ids) - kept, len(ids) + len(token_ids)))
             ids.extend(token_ids + token_ids[-1:] * (n - len(token_ids)))
             positions.extend(range(cache.length, cache.length + n))
-            parts.append((cache.start, cache.length, n))
+            parts.append((cache.start, cache.length, n, cache.prefix_key()))
         batch = ForwardBatch.build(self.pool, parts)
         out = self.model(input_ids=torch.tensor([ids], device=self.device),
                          position_ids=torch.tensor([positions], device=self.device), use_cache=False,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draft_worker.local import reference
 from tandem.batcher import Batcher
 from tandem.client import build_request
-from tandem.kvpool import KVPool, KVPoolFull, SessionCache
+from tandem.kvpool import ForwardBatch, KVPool, KVPoolFull, SessionCache
 from tandem.launch import Stack
 from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams
@@ -85,6 +85,50 @@ def test_batched_forward_equals_transformers_on_each_sequence(tiny_pair):
     assert torch.allclose(out[1], full[0][4:6], atol=1e-4)
 
 
+def test_sessions_with_a_copied_prefix_attend_it_together_and_stay_exact(tiny_pair):
+    """Three sessions whose runs begin with copies of one prompt prefix (plus one that computed the
+    same tokens itself) in one pass: the prefix is attended once for the three, merged with each
+    one's own positions, and every session's logits equal transformers' on its own sequence."""
+    model = CausalLM(str(tiny_pair[0]), kv_tokens=512)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, model.vocab_size, (24,), generator=g).tolist()
+    seqs = [prefix + torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 14, 5)]
+    with torch.no_grad():
+        full = [ref(torch.tensor([s])).logits[0] for s in seqs]
+    donor = model.new_cache(64)
+    model.forward(prefix, donor)
+    caches = [model.new_cache(64) for _ in range(3)] + [model.new_cache(64)]
+    for c in caches[:3]:
+        c.copy_prefix(donor, len(prefix))
+    assert len({c.prefix_key()[0] for c in caches[:3]}) == 1 != len({c.prefix_key()[0] for c in caches})
+    model.forward(seqs[3][:24], caches[3])          # same tokens, own computation: attended alone
+    # one new token for one session, several for the others (a round, a prefill chunk)
+    feeds = [(24, 25), (24, 30), (24, 38), (24, 29)]
+    batch = [(c, s[a:b], None) for c, s, (a, b) in zip(caches, seqs, feeds)]
+    parts = [(c.start, c.length, len(ids), c.prefix_key()) for c, ids, _ in batch]
+    assert len(ForwardBatch.build(model.pool, parts).shared) == 1
+    out = model.forward_batch(batch)
+    for o, f, (a, b) in zip(out, full, feeds):
+        assert torch.allclose(o, f[a:b], atol=1e-4)
+
+
+def test_a_donor_that_rewrites_lent_positions_takes_a_new_identity():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=1, slots=100)
+    donor, taker, late = SessionCache(pool, 30), SessionCache(pool, 30), SessionCache(pool, 30)
+    donor.length = 20
+    taker.copy_prefix(donor, 18)
+    assert taker.prefix_key() == (donor.uid, 18) and donor.prefix_key() == (donor.uid, 20)
+    donor.crop(19)                                  # above what it lent: still the same bits
+    assert donor.prefix_key()[0] == taker.prefix_key()[0]
+    donor.crop(10)                                  # positions 10..17 will be written anew
+    assert donor.prefix_key()[0] != taker.prefix_key()[0]
+    taker.crop(12)                                  # a copy cropped keeps the rest of its origin
+    assert taker.prefix_key()[1] == 12
+    late.copy_prefix(taker, 12)                     # a copy of a copy names the first source
+    assert late.prefix_key() == taker.prefix_key()
+
+
 def test_batcher_runs_concurrent_sessions_in_shared_passes(tiny_models):
     """Sessions of different prompt lengths decode at once; each gets its own greedy output, and
     the passes really were shared."""
@@ -141,6 +185,32 @@ def test_batcher_fails_only_the_item_that_breaks(tiny_models):
     assert ok.value.shape == (1, model.vocab_size) and ok.batch_size == 3
     assert isinstance(too_long, ValueError) and "context" in str(too_long)
     assert isinstance(failed, RuntimeError)
+
+
+def test_a_short_budget_cuts_the_longest_proposals_so_every_round_goes(tiny_models):
+    """Rounds of 10, 10 and 2 tokens against a budget of 12: all three go in one pass, the two long
+    ones cut to 5, and a round that may not be cut (least None) keeps all its tokens."""
+    model = tiny_models[0]
+
+    async def main():
+        thread = InferenceThread("test-batcher-cut")
+        batcher = Batcher(model, thread, max_tokens=12)
+        caches = [model.new_cache(32) for _ in range(4)]
+        for c in caches:
+            model.forward([1, 2, 3], c)
+        try:
+            first = await asyncio.gather(*(batcher.forward(c, list(range(4, 4 + n)), None, least=1)
+                                           for c, n in zip(caches, (10, 10, 2))))
+            whole = await asyncio.gather(batcher.forward(caches[3], list(range(4, 14)), None),
+                                         batcher.forward(caches[0], [5, 6, 7, 8], None, least=1))
+            return first, whole
+        finally:
+            thread.shutdown()
+
+    first, whole = asyncio.run(main())
+    assert [r.fed for r in first] == [5, 5, 2] and {r.batch_size for r in first} == {3}
+    assert [r.value.shape[0] for r in first] == [5, 5, 2]
+    assert whole[0].fed == 10 and whole[1].fed == 2 and whole[0].batch_size == 2   # 12 - 10 left
 
 
 @pytest.fixture(scope="module")

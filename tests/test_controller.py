@@ -86,6 +86,22 @@ def test_token_price_is_marginal_pass_time_times_output_per_pass_second():
     assert abs(price.value / (0.002 * out / busy) - 1) < 0.05
 
 
+def test_token_price_is_at_least_what_plain_decoding_of_the_sessions_would_give():
+    """Passes full of rejected positions give out few tokens per second; the price must not fall
+    with that rate: plain decoding of the same sessions (S tokens per pass of S positions) is the
+    floor."""
+    from verify_worker.price import TokenPrice
+    price = TokenPrice(decay=1.0)
+    for sessions, tokens in [(40, 400), (40, 160), (48, 480), (44, 300)] * 3:
+        seconds = 0.04 + 0.0015 * tokens
+        price.observe_output(sessions)                         # one token per session: all rejected
+        price.observe_pass(tokens, 0, seconds, sessions)
+    plain = 43 / (0.04 + 0.0015 * 43)                          # mean sessions per pass, plainly
+    assert price.rate < plain
+    assert abs(price.plain_rate / plain - 1) < 0.01
+    assert abs(price.value / min(1.0, 0.0015 * plain) - 1) < 0.01
+
+
 def test_plain_rounds_planned_after_a_back_off_are_asked_for_as_one_run():
     c = SpeculationController(PLAIN_MS, backoff=4)
     assert c.choose(8) == 8

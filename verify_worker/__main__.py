@@ -64,7 +64,8 @@ async def main(args: argparse.Namespace) -> None:
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
     batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens)
     batcher.observers.append(lambda sessions, tokens, prefill, seconds: (
-        metrics.BATCH_SESSIONS.observe(sessions), metrics.BATCH_TOKENS.observe(tokens + prefill)))
+        metrics.BATCH_SESSIONS.observe(sessions), metrics.BATCH_TOKENS.observe(tokens + prefill),
+        metrics.BUSY_SECONDS.inc(seconds)))
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
     servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk,
                               share_prefixes=args.share_prefixes)

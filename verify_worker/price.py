@@ -1,14 +1,19 @@
 """What one more position in a batched pass costs everyone: the `token_cost` sent with each verdict.
 
 Adding a position to a pass lengthens it by the marginal seconds per position (beta), and during
-that time the worker would have produced beta * R tokens, R being the tokens it produces per second
-of forward passes. So a proposed position pays off only if it is accepted with probability above
+that time the worker would have produced beta * R tokens, R being what a second of forward passes
+is worth in tokens. So a proposed position pays off only if it is accepted with probability above
 beta * R (the draft worker's controller applies this). beta comes from a least-squares fit of pass
 time against the pass's round tokens and its prefill tokens (prefill runs cheaper per token, and
 would drag a one-variable slope down), over recent passes so that it describes the sizes the worker
-runs now. R counts pass time, not wall time: a worker slowed by waste (half-empty passes, rejected
-positions) would otherwise show a low R and so a low price, inviting more of the speculation that
-slowed it down.
+runs now.
+
+R is the larger of two rates. The tokens the worker gave out per second of forward passes (pass
+time, not wall time: idle time is worth nothing). And what plain decoding of the same sessions
+would give: S tokens per pass of S positions, S / (alpha + beta * S) from the same fit. The second
+is the floor because the first describes the current passes: when proposals fill them with
+rejected positions the measured rate drops, and a price from it would invite the very speculation
+that slowed the worker down. Under load plain decoding is the opportunity cost of a pass-second.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ class TokenPrice:
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
         self._out = self._busy = 0.0        # decayed tokens given out and seconds of passes
+        self._sessions = self._passes = 0.0  # decayed sessions in passes (rounds) and passes
         self._pending = 0                   # tokens given out since the last pass was observed
 
-    def observe_pass(self, round_tokens: int, prefill_tokens: int, seconds: float) -> None:
+    def observe_pass(self, round_tokens: int, prefill_tokens: int, seconds: float, sessions: int = 0) -> None:
+        """One pass: its round (not prefill) tokens, prefill tokens, seconds, and the sessions that
+        had a round in it."""
         x = (1.0, float(round_tokens), float(prefill_tokens))
         for i in range(3):
             self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
@@ -32,21 +40,33 @@ class TokenPrice:
                 self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
         self._out = self._out * self.decay + self._pending
         self._busy = self._busy * self.decay + seconds
+        self._sessions = self._sessions * self.decay + sessions
+        self._passes = self._passes * self.decay + 1
         self._pending = 0
 
     def observe_output(self, tokens: int) -> None:
         self._pending += tokens
 
+    def _fit(self) -> tuple[float, float] | None:
+        """(alpha, beta): seconds of a pass with no round tokens, and per round token; None until
+        passes of different sizes were seen."""
+        xx = self._xx
+        if xx[0][0] < 2 or xx[1][1] * xx[0][0] - xx[0][1] ** 2 < 1e-9:
+            return None
+        a = [row[:] for row in xx]
+        a[2][2] += 1e-6 * max(1.0, xx[0][0] + xx[1][1] + xx[2][2])   # prefill never seen: stays solvable
+        det = _det3(a)
+        solved = []
+        for col in range(2):                                  # Cramer's rule, intercept and slope
+            m = [[self._xy[i] if j == col else a[i][j] for j in range(3)] for i in range(3)]
+            solved.append(_det3(m) / det)
+        return max(0.0, solved[0]), max(0.0, solved[1])
+
     @property
     def beta(self) -> float:
         """Marginal seconds per round position (0 until passes of different sizes were seen)."""
-        xx = self._xx
-        if xx[0][0] < 2 or xx[1][1] * xx[0][0] - xx[0][1] ** 2 < 1e-9:
-            return 0.0
-        ridge = 1e-6 * max(1.0, xx[0][0] + xx[1][1] + xx[2][2])   # prefill never seen: stays solvable
-        a = [[xx[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
-        with_y = [[self._xy[i] if j == 1 else a[i][j] for j in range(3)] for i in range(3)]
-        return max(0.0, _det3(with_y) / _det3(a))             # Cramer's rule for the slope
+        fit = self._fit()
+        return fit[1] if fit else 0.0
 
     @property
     def rate(self) -> float:
@@ -54,8 +74,18 @@ class TokenPrice:
         return self._out / self._busy if self._busy > 0 else 0.0
 
     @property
+    def plain_rate(self) -> float:
+        """Tokens per second of passes if every session of the recent passes decoded plainly."""
+        fit = self._fit()
+        if fit is None or not self._passes:
+            return 0.0
+        sessions = self._sessions / self._passes
+        seconds = fit[0] + fit[1] * sessions
+        return sessions / seconds if seconds > 0 else 0.0
+
+    @property
     def value(self) -> float:
-        return min(1.0, self.beta * self.rate)
+        return min(1.0, self.beta * max(self.rate, self.plain_rate))
 
 
 def _det3(m: list[list[float]]) -> float:

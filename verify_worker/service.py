@@ -30,7 +30,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.prefill_chunk = prefill_chunk
         self.price = TokenPrice()
         batcher.observers.append(lambda sessions, tokens, prefill, seconds:
-                                 self.price.observe_pass(tokens, prefill, seconds))
+                                 self.price.observe_pass(tokens, prefill, seconds, sessions))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
         self._export_gauges()
 
@@ -138,7 +138,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     yield pb.VerifyResponse(opened=pb.Opened(
                         cached_tokens=cached, vocab_size=self.engine.model.vocab_size,
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context,
-                        forward_ms=self.engine.model.forward_ms))
+                        forward_ms=self.engine.model.forward_ms,
+                        token_cost=self.price.value * (1 - 1 / max(1, len(self.sessions)))))
                 elif kind == "proposal":
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -159,7 +160,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         yield pb.VerifyResponse(verdict=pb.Verdict(
                             accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                            token_cost=self.price.value * (1 - 1 / ran.batch_size)))
+                            token_cost=self.price.value * (1 - 1 / ran.batch_size),
+                            unverified=len(proposal.token_ids) + 1 - ran.fed))
                         if verdict.stop_reason != STOP_NONE:
                             return
                 else:
@@ -199,6 +201,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
         def judge(logits):
             # On the inference thread, like every torch op of this process (see InferenceThread).
+            k = logits.shape[0] - 1             # the batcher may have cut the proposal to fit its budget
             q = None
             if not session.params.greedy:       # greedy verification needs no draft distributions
                 try:
@@ -206,11 +209,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 except ValueError as e:
                     session.cache.crop(len(session.tokens) - 1)
                     raise ProtocolError(str(e)) from None
-            return self.engine.judge(session, tokens, q, logits)
+            return self.engine.judge(session, tokens[:k], None if q is None else q[:k], logits)
 
         try:
             feed = self.engine.verify_input(session, tokens)
-            ran = await self.batcher.forward(session.cache, feed, None, judge)
+            ran = await self.batcher.forward(session.cache, feed, None, judge, least=1)
             self.price.observe_output(len(ran.value.token_ids))
             return ran
         except (ProtocolError, ValueError) as e:
