@@ -13,9 +13,12 @@ left the gateway and the verify worker (up to 30 s of waiting).
     python -m bench.load --quick --skip-qwen
 
 Figures per level and mode:
-- tokens/s: tokens streamed (all requests, also ones failed or cut midway) / the level's wall time
-  (first request sent to last stream done, or the cut); its ratio spec/off and to the pair's
-  1-stream level.
+- tokens/s: tokens streamed (by any request, also ones failed or cut midway) during the first
+  --seconds of the level, when every one of the N streams has a request running, / --seconds: the
+  throughput at N concurrent streams. After that window the streams only finish what they run, so
+  fewer and fewer are busy; tokens over the whole level's wall time (first request sent to last
+  stream done, or the cut) are in the JSON as level_tok_s. With --requests-per-stream there is no
+  window and tokens/s is the whole level's. Its ratio spec/off and to the pair's 1-stream level.
 - TTFT: request sent to the first message that carries tokens (token_count > 0). A request cut
   before its first token has none, so TTFT percentiles of a cut level are low; see cut_waiting.
 - ITL, per token: each later token-carrying message gives gap-since-the-previous-one / its
@@ -113,6 +116,8 @@ QUICK = {"levels": "1,4", "qwen_levels": "1", "seconds": 4.0, "max_level_seconds
 class Record:
     """One level and mode: what the streams saw."""
     tokens: int = 0                 # streamed, by any request
+    window_end: float | None = None  # perf_counter time until which every stream keeps a request running
+    window_tokens: int = 0          # of `tokens`, those that arrived before window_end
     generated: int = 0              # usage.generated_tokens of completed requests
     completed: int = 0
     drafted: int = 0
@@ -152,6 +157,8 @@ async def one_request(stub, req, rec: Record, timeout: float, error_pause: float
                     rec.itl.extend([(now - prev) / msg.token_count] * msg.token_count)
                 prev = now
                 rec.tokens += msg.token_count
+                if rec.window_end is not None and now <= rec.window_end:
+                    rec.window_tokens += msg.token_count
             if msg.HasField("usage"):
                 u = msg.usage
                 rec.completed += 1
@@ -272,6 +279,8 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
         sampler = asyncio.create_task(sample(stack, stop, a.sample_seconds))
         start = time.perf_counter()
         end = time.monotonic() + a.seconds
+        if not a.requests_per_stream:
+            rec.window_end = start + a.seconds
         tasks = [asyncio.create_task(stream(stub, reqs, i, rec, end, a))
                  for i in range(streams)]
         done, cut = await asyncio.wait(tasks, timeout=a.max_level_seconds or None)
@@ -290,7 +299,11 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
            if b is not None and cpu_after.get(name) is not None}
     g = peaks["gauges"]
     admission = [v for k, v in g.items() if "admission" in k]
-    return {"streams": streams, "method": method, "wall_s": wall, "tokens": rec.tokens, "tok_s": rec.tokens / wall,
+    # All N streams are busy until the window ends; after it, fewer and fewer as they finish.
+    steady = rec.window_end is not None and a.seconds > 0
+    return {"streams": streams, "method": method, "wall_s": wall, "tokens": rec.tokens,
+            "tok_s": rec.window_tokens / a.seconds if steady else rec.tokens / wall,
+            "level_tok_s": rec.tokens / wall, "window_tokens": rec.window_tokens,
             "completed": rec.completed, "cut": rec.cut, "cut_waiting": rec.cut_waiting, "errors": dict(rec.errors),
             "error_details": rec.error_details, "draft_methods": dict(rec.methods),
             "ttft_p50_s": pct(rec.ttft, 50), "ttft_p99_s": pct(rec.ttft, 99),
