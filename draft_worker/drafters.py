@@ -77,7 +77,7 @@ class _ModelDraftState:
         proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
-            feed = (await batcher.forward(self.cache, feed, 1, proposal.take)).value
+            feed = (await batcher.forward(self.cache, feed, 1, proposal.take, returns=True)).value
         batcher.leave(self.cache)              # nothing more until the verdict comes back
         return proposal.draft()
 

@@ -9,7 +9,8 @@ of the token budget, so that a wave of new prompts does not hold up every runnin
 token. And after a pass, the next one waits a moment (at most `gather` of the last pass's time,
 capped at `max_wait`) for the sessions of that pass to queue their next step: they get their
 results a moment after the pass ends, and without the wait each pass would start with whichever
-few were back first. It waits only for sessions that came back within that time the last time:
+few were back first. It waits for sessions that said they would queue their next step at once
+(decoding on here), and for those that came back from elsewhere within that time the last time:
 one whose step goes through another worker (drafting a proposal with a model) is not waited for.
 """
 
@@ -42,6 +43,7 @@ class _Item:
     then: Callable | None
     prefill: bool
     least: int | None    # may be cut to this many tokens when the budget is short (None: never)
+    returns: bool        # the session queues its next step as soon as it has this result
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -57,11 +59,12 @@ class Batcher:
                  gather: float = 0.3, max_wait: float = 0.25) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
         self.gather, self.max_wait = gather, max_wait
-        self._last: list[SessionCache] = []          # the sessions of the last pass
+        self._last: list[_Item] = []                 # the rounds of the last pass
         self._last_seconds = 0.0
         self._queue: deque[_Item] = deque()
-        self._answered: dict[int, float] = {}          # by cache: when its last result was given
-        self._away: dict[int, float] = {}              # by cache: how long it took to queue again
+        self._answered: dict[int, tuple[float, bool]] = {}   # by cache: when its last result was given,
+                                                             # and whether it said it would return at once
+        self._away: dict[int, float] = {}              # by cache: how long it took to queue again from elsewhere
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # per pass: (sessions, round tokens, prefill tokens, seconds)
@@ -77,23 +80,26 @@ class Batcher:
 
     def leave(self, cache: SessionCache) -> None:
         """The session of `cache` queues nothing more: the next pass need not wait for it."""
-        self._last = [c for c in self._last if c is not cache]
+        self._last = [i for i in self._last if i.cache is not cache]
         self._answered.pop(id(cache), None)
         self._away.pop(id(cache), None)
 
     async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
-                      then: Callable | None = None, prefill: bool = False, least: int | None = None) -> Ran:
+                      then: Callable | None = None, prefill: bool = False, least: int | None = None,
+                      returns: bool = False) -> Ran:
         """Feeds `tokens` after `cache`'s in the next batch with room; `then(logits)` runs on the
         inference thread after the pass. Exceptions from the pass or from `then` are raised here.
         `prefill`: a prompt chunk, which yields to rounds and decode steps. `least`: the round may
         be cut to its first `least` tokens when the token budget cannot hold every queued round
-        whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed` says how many)."""
+        whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed` says how many).
+        `returns`: the session's next step follows this one at once (decoding on in this process),
+        so the next pass waits for it; otherwise the wait depends on how long it was away before."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        item = _Item(cache, tokens, last, then, prefill, least)
+        item = _Item(cache, tokens, last, then, prefill, least, returns)
         answered = self._answered.pop(id(cache), None)
-        if answered is not None:
-            self._away[id(cache)] = asyncio.get_running_loop().time() - answered
+        if answered is not None and not answered[1]:
+            self._away[id(cache)] = asyncio.get_running_loop().time() - answered[0]
         self._queue.append(item)
         self._wake.set()
         return await item.future
@@ -115,13 +121,13 @@ class Batcher:
                 tokens = sum(len(i.tokens) for i in batch) - prefill
                 for observe in self.observers:
                     observe(len(batch), tokens, prefill, seconds)
-                self._last, self._last_seconds = [i.cache for i in batch if not i.prefill], seconds
+                self._last, self._last_seconds = [i for i in batch if not i.prefill], seconds
                 now = asyncio.get_running_loop().time()
                 if len(self._answered) > 10_000:   # sessions that ended without leave(): forget them
                     self._answered.clear()
                     self._away.clear()
                 for item, outcome in zip(batch, outcomes):
-                    self._answered[id(item.cache)] = now
+                    self._answered[id(item.cache)] = (now, item.returns)
                     if item.future.done():       # the session gave up (cancelled) meanwhile
                         continue
                     if isinstance(outcome, Exception):
@@ -136,8 +142,8 @@ class Batcher:
         deadline = loop.time() + wait
         while True:
             queued = {id(i.cache) for i in self._queue}
-            missing = [c for c in self._last if c.capacity and id(c) not in queued
-                       and self._away.get(id(c), 0.0) < wait]
+            missing = [i for i in self._last if i.cache.capacity and id(i.cache) not in queued
+                       and (i.returns or self._away.get(id(i.cache), 0.0) < wait)]
             left = deadline - loop.time()
             if not missing or left <= 0:
                 return

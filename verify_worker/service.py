@@ -152,8 +152,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"plain_steps ({proposal.plain_steps}) needs a proposal without tokens, "
                                             f"got {len(proposal.token_ids)}")
-                    for _ in range(max(1, proposal.plain_steps)):
-                        ran = await self._verify(context, session, list(proposal.token_ids), proposal.distributions)
+                    steps = max(1, proposal.plain_steps)
+                    for step in range(steps):
+                        ran = await self._verify(context, session, list(proposal.token_ids), proposal.distributions,
+                                                 returns=step < steps - 1)
                         verdict = ran.value
                         metrics.VERIFY_SECONDS.observe(ran.seconds)
                         # The draft worker's round span records this, next to its round-trip time.
@@ -176,7 +178,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             first = True
             while True:
                 with telemetry.span("decode round") as span:
-                    ran = await self._verify(context, session, [], ())
+                    ran = await self._verify(context, session, [], (), returns=True)
                     verdict = ran.value
                     if span is not None:
                         span.set_attributes(round_attributes(0, 0, verdict.token_ids, ran.batch_size, ran.seconds))
@@ -196,8 +198,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                idle_sessions=len(idle), idle_kv_bytes=sum(s.cache.nbytes() for s in idle),
                                reserved_kv_tokens=sum(self.keeper.live.values()))
 
-    async def _verify(self, context, session: TargetSession, tokens: list[int], distributions) -> Ran:
-        """One round in the next batch; a bad proposal aborts this stream only (INVALID_ARGUMENT)."""
+    async def _verify(self, context, session: TargetSession, tokens: list[int], distributions,
+                      returns: bool = False) -> Ran:
+        """One round in the next batch; a bad proposal aborts this stream only (INVALID_ARGUMENT).
+        returns: this worker decodes the session's next round itself right after (a plain run)."""
 
         def judge(logits):
             # On the inference thread, like every torch op of this process (see InferenceThread).
@@ -213,7 +217,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
         try:
             feed = self.engine.verify_input(session, tokens)
-            ran = await self.batcher.forward(session.cache, feed, None, judge, least=1)
+            ran = await self.batcher.forward(session.cache, feed, None, judge, least=1, returns=returns)
             self.price.observe_output(len(ran.value.token_ids))
             return ran
         except (ProtocolError, ValueError) as e:
