@@ -63,6 +63,11 @@ class KVPool:
         with self._lock:
             return sum(n for _, n in self._free)
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(start, length) of every run of free slots, by start."""
+        with self._lock:
+            return list(self._free)
+
     def allocate(self, n: int) -> int:
         """The start of a run of n free slots (first fit). Raises KVPoolFull."""
         with self._lock:

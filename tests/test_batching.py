@@ -281,3 +281,26 @@ def test_full_pool_queues_a_request_then_admits_or_refuses_it(small_pool_stack):
                 call.cancel()
 
     asyncio.run(main())
+
+
+def test_a_fragmented_pool_evicts_the_fewest_idle_sessions_that_make_a_run():
+    """Runs: live [0,3), idle b [3,5), free [5,6), idle c [6,8), live [8,10). Four slots take both
+    idle sessions; three take one, the least recently used (b, kept first)."""
+    from verify_worker.engine import TargetSession
+    from verify_worker.kvstore import SessionKeeper
+
+    def layout():
+        pool = KVPool(layers=1, kv_heads=1, head_dim=1, slots=10)
+        caches = [SessionCache(pool, n) for n in (3, 2, 1, 2, 2)]
+        caches[2].release()
+        keeper = SessionKeeper(10)
+        for sid, c in (("b", caches[1]), ("c", caches[3])):
+            keeper.idle[sid] = TargetSession(sid, SamplingParams(), 1, [1], c)
+        return pool, keeper, caches
+
+    pool, keeper, caches = layout()
+    assert keeper.evict_for(pool, 3) and list(keeper.idle) == ["c"] and SessionCache(pool, 3).start == 3
+    pool, keeper, caches = layout()
+    assert keeper.evict_for(pool, 4) and not keeper.idle and SessionCache(pool, 4).start == 3
+    pool, keeper, caches = layout()
+    assert not keeper.evict_for(pool, 6) and len(keeper.idle) == 2      # a live run is in the way

@@ -68,11 +68,41 @@ class SessionKeeper:
         """Drops the least recently used idle session and frees its KV; False when none is idle."""
         if not self.idle:
             return False
-        evicted, session = self.idle.popitem(last=False)
+        self._evict(*self.idle.popitem(last=False))
+        return True
+
+    def _evict(self, evicted: str, session: TargetSession) -> None:
         self.evictions += 1
         metrics.EVICTIONS.inc()
         telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
         session.cache.release()
+
+    def evict_for(self, pool, need: int) -> bool:
+        """Makes one run of `need` free slots in a fragmented pool by evicting the fewest idle
+        sessions whose runs, with the free runs around them, lie next to each other (least recently
+        used first among equals). A copy-free alternative to compacting the pool, which moves every
+        live run. False when no such set of idle sessions exists."""
+        runs = [(start, n, None) for start, n in pool.free_runs()]
+        runs += [(s.cache.start, s.cache.capacity, sid) for sid, s in self.idle.items() if s.cache.capacity]
+        runs.sort()
+        order = {sid: i for i, sid in enumerate(self.idle)}          # least recently used first
+        best, window, total = None, [], 0
+        for run in runs:
+            if window and window[-1][0] + window[-1][1] != run[0]:   # a live run in between
+                window, total = [], 0
+            window.append(run)
+            total += run[1]
+            while total - window[0][1] >= need:
+                total -= window.pop(0)[1]
+            if total >= need:
+                evict = [sid for _, _, sid in window if sid is not None]
+                cost = (len(evict), sum(order[sid] for sid in evict))
+                if best is None or cost < best[0]:
+                    best = (cost, evict)
+        if best is None or not best[1]:
+            return False
+        for sid in best[1]:
+            self._evict(sid, self.idle.pop(sid))
         return True
 
     async def wait_for_space(self, timeout: float) -> None:

@@ -95,9 +95,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 try:
                     return self.engine.open(session_id, prompt_ids, params, reuse)
                 except KVPoolFull:
-                    # Within budget, but no run of free slots is long enough: compact the pool
-                    # once, then evict idle turns, then wait like any request that does not fit.
+                    # Within budget, but no run of free slots is long enough: evict the idle turns
+                    # that make one (no copy), else compact the pool once, then evict idle turns,
+                    # then wait like any request that does not fit.
                     self.keeper.release(id(context), None, keep=False)
+                    if self.keeper.evict_for(self.engine.model.pool, need):
+                        continue
                     if not compacted:
                         compacted = True
                         await self.batcher.between_passes(self.engine.model.pool.compact)
