@@ -7,11 +7,15 @@ longest prefix it shares with the new context; the n-gram drafter needs no model
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tandem.kvpool import KVPoolFull, SessionCache
 from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
 
@@ -41,30 +45,83 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """A causal LM sharing the target's vocabulary. `confidence`: stop a proposal after a token the
-    draft itself gives less probability than this, since the tokens after it are likely wasted."""
+    draft itself gives less probability than this, since the tokens after it are likely wasted.
+
+    Like the verify worker, a new session copies the KV of the longest prompt prefix (`MIN_SHARED`
+    tokens or more) that a live session or a recently finished one holds instead of computing it;
+    finished sessions' caches are kept for that, least recently used first out, up to `keep_share`
+    of the KV pool."""
 
     name = "model"
+    MIN_SHARED = 16
 
-    def __init__(self, model: CausalLM, confidence: float = 0.0) -> None:
+    def __init__(self, model: CausalLM, confidence: float = 0.0, keep_share: float = 0.25) -> None:
         self.model = model
         self.confidence = confidence
+        self.keep_tokens = int(keep_share * model.pool.slots)
+        self._live: weakref.WeakSet[_ModelDraftState] = weakref.WeakSet()
+        self._kept: OrderedDict[int, tuple[list[int], SessionCache]] = OrderedDict()
+        self._lock = threading.Lock()           # start() runs on the event loop, the rest on the inference thread
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
-        return _ModelDraftState(self.model, params, eos_ids, prompt_len, self.confidence)
+        while True:
+            try:
+                state = _ModelDraftState(self, params, eos_ids, prompt_len)
+                break
+            except KVPoolFull:
+                if not self._drop_kept():
+                    raise
+        self._live.add(state)
+        return state
+
+    def keep(self, cached: list[int], cache: SessionCache) -> None:
+        """A finished session's cache, kept to lend its prefix to later sessions."""
+        if len(cached) < self.MIN_SHARED or self.keep_tokens <= 0:
+            cache.release()
+            return
+        with self._lock:
+            self._kept[id(cache)] = (cached, cache)
+            while sum(c.capacity for _, c in self._kept.values()) > self.keep_tokens:
+                self._kept.popitem(last=False)[1][1].release()
+
+    def share(self, state: _ModelDraftState, context: list[int]) -> None:
+        """Fills an empty cache with the longest prefix of context (all but its last token) that
+        another live or kept cache holds. On the inference thread, between passes."""
+        want = context[:len(context) - 1]
+        best, n = None, self.MIN_SHARED - 1
+        with self._lock:
+            donors = [(s.cached, s.cache) for s in list(self._live) if s is not state]
+            donors += list(self._kept.values())
+            for cached, cache in donors:
+                m = min(_common_prefix(cached, want), cache.length)
+                if cache.capacity and m > n:
+                    best, n = cache, m
+            if best is not None:
+                state.cache.copy_prefix(best, n)
+                state.cached = want[:n]
+
+    def _drop_kept(self) -> bool:
+        with self._lock:
+            if not self._kept:
+                return False
+            self._kept.popitem(last=False)[1][1].release()
+            return True
 
 
 class _ModelDraftState:
-    def __init__(self, model: CausalLM, params: SamplingParams, eos_ids: list[int], prompt_len: int,
-                 confidence: float = 0.0):
-        self.model, self.params, self.eos_ids, self.prompt_len = model, params, eos_ids, prompt_len
-        self.confidence = confidence
+    def __init__(self, drafter: ModelDrafter, params: SamplingParams, eos_ids: list[int], prompt_len: int):
+        self.drafter, self.model = drafter, drafter.model
+        self.params, self.eos_ids, self.prompt_len = params, eos_ids, prompt_len
+        self.confidence = drafter.confidence
         # room for the whole generation and one proposal past it; it grows if a turn needs more
-        self.cache = model.new_cache(prompt_len + params.max_new_tokens + 17)
+        self.cache = self.model.new_cache(prompt_len + params.max_new_tokens + 17)
         self.cached: list[int] = []              # token ids whose KV is in self.cache
         self.generator = make_generator(params.seed, stream=1)
 
     def propose(self, context: list[int], k: int) -> Draft:
         """k tokens (fewer after an end-of-sequence or an unconfident one), one forward pass each."""
+        if not self.cached and k > 0:
+            self.drafter.share(self, context)
         proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
@@ -74,6 +131,8 @@ class _ModelDraftState:
     async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
         """As propose, each step going through `batcher` so that it shares a forward pass with the
         other sessions' steps."""
+        if not self.cached and k > 0:
+            await batcher.between_passes(self.drafter.share, self, context)
         proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
@@ -92,8 +151,9 @@ class _ModelDraftState:
         return _Proposal(self, context, k, context[keep:])
 
     def close(self) -> None:
-        self.cache.release()
-        self.cached = []
+        self.drafter._live.discard(self)
+        cached, self.cached = self.cached, []
+        self.drafter.keep(cached, self.cache)
 
 
 class _Proposal:

@@ -69,6 +69,29 @@ def test_confidence_stops_a_proposal_early(tiny_models):
     assert out == reference(target, prompt, params)
 
 
+def test_draft_sessions_copy_a_shared_prompt_prefix_from_live_and_finished_ones(tiny_models):
+    """A second session with the same 30-token prompt copies the first's KV instead of computing
+    it, while the first is live and after it finished (its cache is kept), and proposes the same
+    greedy tokens; a prompt sharing fewer than 16 tokens computes its own."""
+    target, draft = tiny_models
+    params = SamplingParams(max_new_tokens=8)
+    prompt = list(range(5, 35))
+    drafter = ModelDrafter(draft)
+    first = drafter.start(params, target.eos_ids, len(prompt))
+    alone = first.propose(prompt, 4).tokens
+    second = drafter.start(params, target.eos_ids, len(prompt))
+    assert second.propose(prompt, 4).tokens == alone
+    assert second.cache.prefix_key()[0] == first.cache.prefix_key()[0]      # copied, not computed
+    first.close()
+    second.close()
+    third = drafter.start(params, target.eos_ids, len(prompt))
+    assert third.propose(prompt, 4).tokens == alone
+    assert third.cache.prefix_key()[1] >= 16
+    other = drafter.start(params, target.eos_ids, len(prompt))
+    other.propose(prompt[:10] + [7] * 20, 4)
+    assert other.cache.prefix_key() == (other.cache.uid, other.cache.length)  # nothing to copy
+
+
 @pytest.mark.parametrize("dtype, device, message", [
     ("int4", "cpu", "dtype must be one of"),
     ("int8", "cuda", "CPU only"),
