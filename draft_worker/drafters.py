@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.kvpool import KVPoolFull, SessionCache
+from tandem.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix
 from tandem.modeling import CausalLM
 from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
 
@@ -88,17 +88,10 @@ class ModelDrafter:
         """Fills an empty cache with the longest prefix of context (all but its last token) that
         another live or kept cache holds. On the inference thread, between passes."""
         want = context[:len(context) - 1]
-        best, n = None, self.MIN_SHARED - 1
         with self._lock:
-            donors = [(s.cached, s.cache) for s in list(self._live) if s is not state]
-            donors += list(self._kept.values())
-            for cached, cache in donors:
-                m = min(_common_prefix(cached, want), cache.length)
-                if cache.capacity and m > n:
-                    best, n = cache, m
-            if best is not None:
-                state.cache.copy_prefix(best, n)
-                state.cached = want[:n]
+            donors = [(s.cached, s.cache) for s in list(self._live)] + list(self._kept.values())
+            if copy_longest_prefix(state.cache, want, donors, self.MIN_SHARED):
+                state.cached = want[:state.cache.length]
 
     def _drop_kept(self) -> bool:
         with self._lock:
@@ -144,7 +137,7 @@ class _ModelDraftState:
         """Rolls the cache back to the longest prefix it shares with context."""
         if k <= 0:
             return _Proposal(self, context, 0, [])
-        keep = _common_prefix(self.cached, context)
+        keep = common_prefix(self.cached, context)
         keep = min(keep, len(context) - 1)       # at least one token must be fed to get logits
         self.cache.crop(keep)
         self.cached = self.cached[:keep]
@@ -215,14 +208,6 @@ class NgramDrafter:
 
     def close(self) -> None:
         pass
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _truncate(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,6 +207,33 @@ class SessionCache:
 _uids = itertools.count(1)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading token ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def copy_longest_prefix(cache: SessionCache, tokens: list[int], donors, least: int) -> bool:
+    """Copies into `cache` the longest prefix of `tokens` that one of `donors` ((token ids, cache)
+    pairs whose cache holds those ids' KV) holds, if it is at least `least` positions longer than
+    what `cache` holds already; True when it copied. Between passes, like every change to the pool;
+    a donor released meanwhile is skipped."""
+    best, n = None, cache.length + least - 1
+    for ids, donor in donors:
+        if donor is cache or not donor.capacity:
+            continue
+        m = min(common_prefix(ids, tokens), donor.length)
+        if m > n:
+            best, n = donor, m
+    if best is not None:
+        cache.copy_prefix(best, n)
+    return best is not None
+
+
 def _release_run(pool: KVPool, run: list[int]) -> None:
     if run[1]:
         pool.release(run[0], run[1])

@@ -9,20 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kvpool import common_prefix, copy_longest_prefix
 from tandem.modeling import CausalLM, SessionCache
 from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
 from tandem.verification import verify_greedy, verify_sampled
 
 STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ProtocolError(ValueError):
@@ -88,15 +80,7 @@ class VerifyEngine:
         holds already) whose KV another session holds, live or idle; returns the positions s now
         holds. On the inference thread, between passes: a donor released meanwhile is skipped."""
         want = s.prompt_len - 1                   # the last prompt token goes with the first round
-        best, n = None, s.cache.length + least - 1
-        for d in donors:
-            if d is s or not d.cache.capacity:
-                continue
-            m = min(common_prefix(d.tokens, s.tokens[:want]), d.cache.length)
-            if m > n:
-                best, n = d, m
-        if best is not None:
-            s.cache.copy_prefix(best.cache, n)
+        copy_longest_prefix(s.cache, s.tokens[:want], [(d.tokens, d.cache) for d in donors], least)
         return s.cache.length
 
     @staticmethod

@@ -76,7 +76,9 @@ class TokenPrice:
     @property
     def plain_rate(self) -> float:
         """Tokens per second of passes if every session of the recent passes decoded plainly."""
-        fit = self._fit()
+        return self._plain_rate(self._fit())
+
+    def _plain_rate(self, fit: tuple[float, float] | None) -> float:
         if fit is None or not self._passes:
             return 0.0
         sessions = self._sessions / self._passes
@@ -85,7 +87,12 @@ class TokenPrice:
 
     @property
     def value(self) -> float:
-        return min(1.0, self.beta * max(self.rate, self.plain_rate))
+        fit = self._fit()                       # solved once: value is read for every verdict
+        return min(1.0, (fit[1] if fit else 0.0) * max(self.rate, self._plain_rate(fit)))
+
+    def for_batch(self, sessions: int) -> float:
+        """The price a session pays in a pass of `sessions`: others' share of it (0 alone)."""
+        return self.value * (1 - 1 / max(1, sessions))
 
 
 def _det3(m: list[list[float]]) -> float:

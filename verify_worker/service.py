@@ -142,7 +142,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         cached_tokens=cached, vocab_size=self.engine.model.vocab_size,
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context,
                         forward_ms=self.engine.model.forward_ms,
-                        token_cost=self.price.value * (1 - 1 / max(1, len(self.sessions)))))
+                        token_cost=self.price.for_batch(len(self.sessions))))
                 elif kind == "proposal":
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -165,7 +165,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         yield pb.VerifyResponse(verdict=pb.Verdict(
                             accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                            token_cost=self.price.value * (1 - 1 / ran.batch_size),
+                            token_cost=self.price.for_batch(ran.batch_size),
                             unverified=len(proposal.token_ids) + 1 - ran.fed))
                         if verdict.stop_reason != STOP_NONE:
                             return
