@@ -6,7 +6,8 @@ until --seconds have passed (a request already running is finished), or, with --
 that many each. Whatever is still running after --max-level-seconds is cancelled and counted as cut,
 so a level ends in bounded time however slowly the service serves many streams. Every level runs
 twice: mode "spec" (the pair's draft method; the draft worker's controller decides each round
-whether to speculate) and "off" (none). Before a level starts, the previous level's requests have
+whether to speculate) and "off" (none). Every prompt is sent once before the first level, so that
+neither mode pays a prompt's first prefill. Before a level starts, the previous level's requests have
 left the gateway and the verify worker (up to 30 s of waiting).
 
     python -m bench.load                  # SmolLM2-135M + n-gram at 1/4/16/64, Qwen 1.5B + 0.5B at 1/4
@@ -325,8 +326,10 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
 async def run_levels(stack: Stack, pair: str, spec: str, levels: list[int], a) -> list[dict]:
     warm = argparse.Namespace(**{**vars(a), "seconds": 0, "requests_per_stream": 1, "max_level_seconds": 0,
                                  "max_new_tokens": 8})
-    for method in (spec, "none"):
-        await level(stack, method, 1, warm)
+    # Every prompt once, all at once, before any level: a prompt's first prefill (of the target, and
+    # of a draft model) would otherwise fall on whichever mode meets it first, mostly "spec".
+    await level(stack, spec, a.prompts, warm)
+    await level(stack, "none", 1, warm)
     rows = []
     for n in levels:
         for mode, method in (("spec", spec), ("off", "none")):

@@ -3,7 +3,9 @@
 The goal is goodput: tokens per second of wall time, not acceptance. Each round is timed where it
 is paid for, on the draft worker: drafting plus the verify round trip. The controller keeps a
 decaying rate for speculative rounds and one for plain rounds (seeded from the verify worker's
-measured one-position forward pass) and speculates while that pays. When it stops paying (a weak
+measured one-position forward pass, then fed by plain rounds and, for each speculative round, by
+what a plain round in the same pass would have taken: `plain_instead`) and speculates while that
+pays. When it stops paying (a weak
 n-gram match, a draft that keeps missing) it decodes plainly for a while, then tries one
 speculative round again, waiting twice as long after each try that still loses.
 
@@ -121,15 +123,18 @@ class SpeculationController:
         self.backoff = min(2 * self.backoff, self.max_backoff)
 
     def observe(self, proposed: int, tokens: int, seconds: float, accepted: int | None = None,
-                price: float = 0.0) -> None:
+                price: float = 0.0, plain_seconds: float | None = None) -> None:
         """One finished round: tokens it produced (accepted + the target's own), seconds it took,
-        how many proposed tokens were accepted (default: all but the target's own), and the verify
-        worker's token_cost sent with its verdict."""
+        how many proposed tokens were accepted (default: all but the target's own), the verify
+        worker's token_cost sent with its verdict, and for a speculative round what a plain round
+        would have taken in its place (see plain_instead), when known."""
         self.price = price
         if proposed == 0:
             self.plain.add(tokens, seconds)
             return
         self.speculative.add(tokens, seconds)
+        if plain_seconds is not None:
+            self.plain.add(1, plain_seconds)
         accepted = tokens - 1 if accepted is None else accepted
         self.survival.add(proposed, accepted)
         if self.prior is not None:
@@ -138,6 +143,20 @@ class SpeculationController:
             self._back_off()
         else:
             self.backoff = self.min_backoff
+
+
+def plain_instead(round_trip: float, proposed: int, position_seconds: float) -> float | None:
+    """What a plain round would have taken in place of a speculative one: its round trip less what
+    its proposed positions added to the pass (the verify worker's marginal seconds per position),
+    and at least an even share of the pass per position. None when the worker sent no slope.
+
+    In a batched pass a plain round waits as long as everyone else's proposals take, so the
+    uncontended one-position time (the plain prior) overrates plain decoding under load; without
+    this a session whose proposals were short took plain rounds that were no faster than its
+    speculative ones, and fell out of step with the sessions it shared passes with."""
+    if position_seconds <= 0:
+        return None
+    return max(round_trip - position_seconds * proposed, round_trip / (proposed + 1))
 
 
 def controller_for(verify_ms: list[float], prior: Survival | None = None,

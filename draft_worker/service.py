@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from draft_worker.controller import Survival, controller_for
+from draft_worker.controller import Survival, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter
 from tandem import logs, metrics, telemetry, wire
 from tandem.batcher import Batcher
@@ -132,7 +132,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 rounds, drafted, accepted = rounds + 1, drafted + checked, accepted + verdict.accepted
                 if control is not None:
                     control.observe(checked, len(verdict.token_ids), propose_s + rtt_s,
-                                    verdict.accepted, verdict.token_cost)
+                                    verdict.accepted, verdict.token_cost,
+                                    plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
                 tokens.extend(verdict.token_ids)
                 chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked,
                                       accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,

@@ -92,7 +92,10 @@ class Stack:
         return f"http://{self.host}:{self.metrics_ports[name]}/metrics"
 
     def _spawn(self, name: str, args: list[str], port: int) -> None:
-        env = {**os.environ, **self.extra_env}
+        # The processes share this machine's cores: an OpenMP thread that spins while it waits (the
+        # default) takes them from the other processes' forward passes. Set it in the environment to
+        # override.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **self.extra_env}
         self.ports[name] = port
         # A free port per process: the services' fixed defaults would collide on one machine.
         self.metrics_ports[name] = free_port()

@@ -1,6 +1,6 @@
 """The speculation controller speculates while that gives more tokens per second than plain decoding."""
 
-from draft_worker.controller import SpeculationController, controller_for
+from draft_worker.controller import SpeculationController, controller_for, plain_instead
 from tests.stack import stack  # noqa: F401  (the fixture)
 
 PLAIN_MS = 600.0         # one plain round, as the verify worker measured it
@@ -44,6 +44,30 @@ def test_one_bad_round_among_good_ones_does_not_stop_speculation():
     run(c, 10, (5, 1.2))
     c.observe(8, 1, 1.3)
     assert c.choose(8) == 8
+
+
+def test_plain_instead_takes_the_proposals_positions_out_of_the_round_trip():
+    assert plain_instead(3.0, 16, 0.04) == 3.0 - 16 * 0.04
+    assert plain_instead(1.0, 16, 0.1) == 1.0 / 17      # never below an even share of the pass
+    assert plain_instead(1.0, 4, 0.0) is None           # the worker sent no slope
+
+
+def test_in_a_crowded_pass_short_proposals_still_beat_plain_rounds():
+    """3 tokens a round in 3 s passes that others fill: plain rounds would wait for those passes too
+    (2.8 s in place of 3 s), so the uncontended plain prior (0.6 s) must not send the session to
+    plain rounds."""
+    c = SpeculationController(PLAIN_MS)
+    chosen = []
+    for _ in range(30):
+        k = c.choose(8)
+        chosen.append(k)
+        if k:
+            c.observe(k, 3, 3.0, plain_seconds=plain_instead(3.0, k, 0.025))
+        else:
+            c.observe(0, 1, 2.8)
+    assert chosen[-20:] == [8] * 20
+    without = run(SpeculationController(PLAIN_MS), 30, (3, 3.0))     # 0.6 s plain rounds win
+    assert without.count(0) > 20
 
 
 def test_the_requested_k_is_never_exceeded_and_zero_stays_zero():

@@ -166,7 +166,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                             accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
                             token_cost=self.price.for_batch(ran.batch_size),
-                            unverified=len(proposal.token_ids) + 1 - ran.fed))
+                            unverified=len(proposal.token_ids) + 1 - ran.fed,
+                            position_seconds=self.price.beta))
                         if verdict.stop_reason != STOP_NONE:
                             return
                 else:
