@@ -91,12 +91,18 @@ class SpeculationController:
         self.backoff = backoff
         self.plain_rounds_left = 0
         self.trial = False
+        self.opening = True              # the first round is plain: see choose
 
     def choose(self, k: int) -> int:
         """k cut to the positions worth their price, or 0 while plain decoding is the faster. The
         first round after a stretch of plain ones tries the full k, so that a draft (or a worker)
         that got better is noticed."""
         if k <= 0:
+            return 0
+        if self.opening:
+            # The first token comes from the prompt's prefill pass alone, as without speculation:
+            # a first proposal (drafted first, then verified with the prefill) only delays it,
+            # by seconds under load. Its round is not timed as a plain one (it holds the prefill).
             return 0
         if self.plain_rounds_left > 0:
             self.plain_rounds_left -= 1
@@ -129,6 +135,10 @@ class SpeculationController:
         worker's token_cost sent with its verdict, and for a speculative round what a plain round
         would have taken in its place (see plain_instead), when known."""
         self.price = price
+        if self.opening:
+            self.opening = False
+            if proposed == 0:
+                return
         if proposed == 0:
             self.plain.add(tokens, seconds)
             return

@@ -6,6 +6,24 @@ from tests.stack import stack  # noqa: F401  (the fixture)
 PLAIN_MS = 600.0         # one plain round, as the verify worker measured it
 
 
+def started(*args, **kwargs) -> SpeculationController:
+    """A controller past its opening round (always plain, see the test of it)."""
+    c = SpeculationController(*args, **kwargs)
+    assert c.choose(8) == 0 and c.plain_run() == 1
+    c.observe(0, 1, 5.0)                 # the prefill's round: not timed as a plain round
+    return c
+
+
+def test_the_first_round_is_plain_and_does_not_count_as_plain_decoding():
+    """The first token comes from the prefill pass, as without speculation; that round's seconds
+    hold the prefill, so they must not make plain decoding look slow."""
+    c = SpeculationController(PLAIN_MS)
+    assert c.choose(8) == 0
+    c.observe(0, 1, 5.0)
+    assert c.plain.value == 1000 / PLAIN_MS
+    assert c.choose(8) == 8
+
+
 def run(c: SpeculationController, rounds: int, spec_round: tuple[int, float], k: int = 8) -> list[int]:
     """Plays `rounds` rounds: speculative ones give spec_round (tokens, seconds), plain ones 1 token
     in PLAIN_MS. Returns the k chosen each round."""
@@ -18,12 +36,12 @@ def run(c: SpeculationController, rounds: int, spec_round: tuple[int, float], k:
 
 
 def test_a_draft_that_pays_is_always_used():
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     assert run(c, 50, (4, 1.2)) == [8] * 50          # 3.3 tokens/s against 1.7
 
 
 def test_a_draft_that_loses_falls_back_and_is_retried_ever_less_often():
-    c = SpeculationController(PLAIN_MS, backoff=4, max_backoff=64)
+    c = started(PLAIN_MS, backoff=4, max_backoff=64)
     chosen = run(c, 200, (1, 1.1))                     # 0.9 tokens/s against 1.7
     tries = [i for i, k in enumerate(chosen) if k]
     assert chosen.count(0) > 180
@@ -33,14 +51,14 @@ def test_a_draft_that_loses_falls_back_and_is_retried_ever_less_often():
 
 
 def test_a_draft_that_recovers_is_used_again():
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     run(c, 20, (1, 1.1))
     later = run(c, 60, (6, 1.2))
     assert later[-30:] == [8] * 30
 
 
 def test_one_bad_round_among_good_ones_does_not_stop_speculation():
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     run(c, 10, (5, 1.2))
     c.observe(8, 1, 1.3)
     assert c.choose(8) == 8
@@ -56,7 +74,7 @@ def test_in_a_crowded_pass_short_proposals_still_beat_plain_rounds():
     """3 tokens a round in 3 s passes that others fill: plain rounds would wait for those passes too
     (2.8 s in place of 3 s), so the uncontended plain prior (0.6 s) must not send the session to
     plain rounds."""
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     chosen = []
     for _ in range(30):
         k = c.choose(8)
@@ -66,23 +84,26 @@ def test_in_a_crowded_pass_short_proposals_still_beat_plain_rounds():
         else:
             c.observe(0, 1, 2.8)
     assert chosen[-20:] == [8] * 20
-    without = run(SpeculationController(PLAIN_MS), 30, (3, 3.0))     # 0.6 s plain rounds win
+    without = run(started(PLAIN_MS), 30, (3, 3.0))     # 0.6 s plain rounds win
     assert without.count(0) > 20
 
 
 def test_the_requested_k_is_never_exceeded_and_zero_stays_zero():
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     assert c.choose(3) == 3
     assert c.choose(0) == 0
 
 
 def test_no_curve_no_controller():
     assert controller_for([]) is None
-    assert controller_for([PLAIN_MS, 900.0]).choose(5) == 5
+    c = controller_for([PLAIN_MS, 900.0])
+    c.choose(5)
+    c.observe(0, 1, 1.0)
+    assert c.choose(5) == 5
 
 
 def test_price_cuts_proposals_to_the_positions_that_pay_for_themselves():
-    c = SpeculationController(PLAIN_MS)
+    c = started(PLAIN_MS)
     for _ in range(20):          # accepted through position 1 always, through 2 half the time, never 3
         c.observe(4, 3, 0.5, accepted=1, price=0.0)
         c.observe(4, 4, 0.5, accepted=2, price=0.0)
@@ -127,7 +148,7 @@ def test_token_price_is_at_least_what_plain_decoding_of_the_sessions_would_give(
 
 
 def test_plain_rounds_planned_after_a_back_off_are_asked_for_as_one_run():
-    c = SpeculationController(PLAIN_MS, backoff=4)
+    c = started(PLAIN_MS, backoff=4)
     assert c.choose(8) == 8
     c.observe(8, 1, 1.1)                      # lost against plain: back off for 4 rounds
     assert c.choose(8) == 0
