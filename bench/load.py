@@ -5,17 +5,21 @@ grpc.aio channel call tandem.v1 GenerateStream, each sending chat code-editing r
 until --seconds have passed (a request already running is finished), or, with --requests-per-stream,
 that many each. Whatever is still running after --max-level-seconds is cancelled and counted as cut,
 so a level ends in bounded time however slowly the service serves many streams. Every level runs
-twice: mode "spec" (the pair's draft method; the draft worker's controller decides each round
-whether to speculate) and "off" (none). Every prompt is sent once before the first level, so that
-neither mode pays a prompt's first prefill. Before a level starts, the previous level's requests have
-left the gateway and the verify worker (up to 30 s of waiting).
+in two modes: "spec" (the pair's draft method; the draft worker's controller decides each round
+whether to speculate) and "off" (none), --repeats times each, interleaved (spec off off spec ...):
+a shared host's speed drifts by tens of percent within minutes, and a ratio of two runs minutes
+apart measured the drift as much as speculation. Each figure is over all runs of its mode; the
+JSON also has each run's tokens/s (run_tok_s) and the host's speed just before it (host_gflops:
+one thread's float32 matmul rate, measured while the service is idle). Every prompt is sent once
+before the first level, so that neither mode pays a prompt's first prefill. Before each run the
+previous run's requests have left the gateway and the verify worker (up to 30 s of waiting).
 
     python -m bench.load                  # SmolLM2-135M + n-gram at 1/4/16/64, Qwen 1.5B + 0.5B at 1/4
     python -m bench.load --quick --skip-qwen
 
 Figures per level and mode:
 - tokens/s: tokens streamed (by any request, also ones failed or cut midway) during the first
-  --seconds of the level, when every one of the N streams has a request running, / --seconds: the
+  --seconds of each run, when every one of the N streams has a request running, / (--seconds x runs): the
   throughput at N concurrent streams. After that window the streams only finish what they run, so
   fewer and fewer are busy; tokens over the whole level's wall time (first request sent to last
   stream done, or the cut) are in the JSON as level_tok_s. With --requests-per-stream there is no
@@ -59,6 +63,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+import torch
 
 from bench.report import machine, write_json
 from tandem.client import build_request
@@ -108,9 +114,10 @@ PROMPTS = [
 # name: target, draft (a model spec or "none"), the draft method of mode "spec"
 PAIRS = {"smollm": ("smollm2-135m-instruct", "none", "ngram"),
          "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "model")}
-FULL = {"levels": "1,4,16,64", "qwen_levels": "1,4", "seconds": 20.0, "max_level_seconds": 60.0,
-        "max_new_tokens": 64}
-QUICK = {"levels": "1,4", "qwen_levels": "1", "seconds": 4.0, "max_level_seconds": 20.0, "max_new_tokens": 32}
+FULL = {"levels": "1,4,16,64", "qwen_levels": "1,4", "seconds": 15.0, "max_level_seconds": 60.0,
+        "max_new_tokens": 64, "repeats": 2}
+QUICK = {"levels": "1,4", "qwen_levels": "1", "seconds": 4.0, "max_level_seconds": 20.0, "max_new_tokens": 32,
+         "repeats": 1}
 
 
 @dataclass
@@ -133,6 +140,7 @@ class Record:
     errors: Counter = field(default_factory=Counter)
     error_details: dict[str, str] = field(default_factory=dict)   # the first message per code
     methods: Counter = field(default_factory=Counter)       # usage.draft_method: what actually ran
+    run_window_tokens: list[int] = field(default_factory=list)  # window_tokens of each run
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -204,10 +212,11 @@ def scrape(url: str, kind: str = "gauge") -> dict[str, float]:
             if kind != "histogram" or s.name.endswith(("_sum", "_count"))}
 
 
-def mean_over(before: dict, after: dict, histogram: str) -> float | None:
-    """A histogram's mean over what it observed between two scrapes (None: nothing, or no such metric)."""
-    n = after.get(histogram + "_count", 0) - before.get(histogram + "_count", 0)
-    return (after[histogram + "_sum"] - before[histogram + "_sum"]) / n if n else None
+def mean_over(delta: dict, histogram: str) -> float | None:
+    """A histogram's mean over what it observed between two scrapes, given the difference of their samples
+    (None: nothing, or no such metric)."""
+    n = delta.get(histogram + "_count", 0)
+    return delta[histogram + "_sum"] / n if n else None
 
 
 def cpu_seconds(pid: int | None = None) -> float | None:
@@ -266,11 +275,28 @@ async def settle(stack: Stack, timeout: float = 30) -> None:
         await asyncio.sleep(0.2)
 
 
-async def level(stack: Stack, method: str, streams: int, a) -> dict:
+def host_gflops(seconds: float = 0.25) -> float:
+    """The machine's speed now: one thread's float32 matmul GFLOP/s over `seconds` (a shared host's speed
+    drifts; a level's runs are interleaved for that, and this shows by how much)."""
+    a, threads = torch.ones(256, 256), torch.get_num_threads()
+    torch.set_num_threads(1)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+        n += 1
+    elapsed = time.perf_counter() - start
+    torch.set_num_threads(threads)
+    return n * 2 * 256 ** 3 / elapsed / 1e9
+
+
+async def run(stack: Stack, method: str, streams: int, a, rec: Record) -> dict:
+    """One run of a level in one mode: adds what the streams saw to `rec`, returns what was measured
+    around them (wall time, CPU and busy seconds, histogram sums, gauge peaks, host speed)."""
     reqs = [build_request(p, chat=True, max_new_tokens=a.max_new_tokens, method=method, k=a.k)
             for p in PROMPTS[:a.prompts]]
-    rec, stop = Record(), asyncio.Event()
+    stop = asyncio.Event()
     await settle(stack)
+    speed = host_gflops()
     verify_metrics = stack.metrics_url("verify_worker")
     before = await asyncio.to_thread(scrape, verify_metrics, "histogram")
     busy_before = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
@@ -280,8 +306,7 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
         sampler = asyncio.create_task(sample(stack, stop, a.sample_seconds))
         start = time.perf_counter()
         end = time.monotonic() + a.seconds
-        if not a.requests_per_stream:
-            rec.window_end = start + a.seconds
+        rec.window_end = None if a.requests_per_stream else start + a.seconds
         tasks = [asyncio.create_task(stream(stub, reqs, i, rec, end, a))
                  for i in range(streams)]
         done, cut = await asyncio.wait(tasks, timeout=a.max_level_seconds or None)
@@ -296,15 +321,34 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
     cpu_after = cpu_all(stack)
     after = await asyncio.to_thread(scrape, verify_metrics, "histogram")
     busy_after = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
-    cpu = {name: (cpu_after[name] - b) / wall for name, b in cpu_before.items()
-           if b is not None and cpu_after.get(name) is not None}
-    g = peaks["gauges"]
+    return {"wall": wall, "host_gflops": speed,
+            "cpu": {name: cpu_after[name] - b for name, b in cpu_before.items()
+                    if b is not None and cpu_after.get(name) is not None},
+            "busy": busy_after - busy_before if None not in (busy_before, busy_after) else None,
+            "hist": {k: v - before.get(k, 0) for k, v in after.items()},
+            "gauges": peaks["gauges"], "rss": peaks["verify_rss_mib"]}
+
+
+def figures(streams: int, method: str, rec: Record, runs: list[dict], a) -> dict:
+    """A level's figures in one mode over its runs: totals over total time, peaks over all runs."""
+    wall = sum(r["wall"] for r in runs)
+    g: dict[str, float] = {}
+    for r in runs:
+        for k, v in r["gauges"].items():
+            g[k] = max(v, g.get(k, v))
+    hist = Counter()
+    for r in runs:
+        hist.update(r["hist"])
+    busy = [r["busy"] for r in runs]
+    rss = [r["rss"] for r in runs if r["rss"] is not None]
     admission = [v for k, v in g.items() if "admission" in k]
-    # All N streams are busy until the window ends; after it, fewer and fewer as they finish.
-    steady = rec.window_end is not None and a.seconds > 0
-    return {"streams": streams, "method": method, "wall_s": wall, "tokens": rec.tokens,
-            "tok_s": rec.window_tokens / a.seconds if steady else rec.tokens / wall,
+    # All N streams are busy until each run's window ends; after it, fewer and fewer as they finish.
+    window = a.seconds * len(runs) if not a.requests_per_stream and a.seconds > 0 else None
+    return {"streams": streams, "method": method, "runs": len(runs), "wall_s": wall, "tokens": rec.tokens,
+            "tok_s": rec.window_tokens / window if window else rec.tokens / wall,
             "level_tok_s": rec.tokens / wall, "window_tokens": rec.window_tokens,
+            "run_tok_s": [t / a.seconds if window else None for t in rec.run_window_tokens],
+            "host_gflops": [r["host_gflops"] for r in runs],
             "completed": rec.completed, "cut": rec.cut, "cut_waiting": rec.cut_waiting, "errors": dict(rec.errors),
             "error_details": rec.error_details, "draft_methods": dict(rec.methods),
             "ttft_p50_s": pct(rec.ttft, 50), "ttft_p99_s": pct(rec.ttft, 99),
@@ -317,25 +361,40 @@ async def level(stack: Stack, method: str, streams: int, a) -> dict:
             "verify_queue_peak": g.get("tandem_verify_queue_depth"),
             "admission_queue_peak": max(admission) if admission else None,
             "gateway_running_peak": g.get("tandem_gateway_running_requests"),
-            "batch_sessions_mean": mean_over(before, after, "tandem_verify_batch_sessions"),
-            "batch_tokens_mean": mean_over(before, after, "tandem_verify_batch_tokens"),
-            "verify_busy_share": (busy_after - busy_before) / wall if None not in (busy_before, busy_after) else None,
-            "cpu_share": cpu, "verify_rss_peak_mib": peaks["verify_rss_mib"], "gauge_peaks": g}
+            "batch_sessions_mean": mean_over(hist, "tandem_verify_batch_sessions"),
+            "batch_tokens_mean": mean_over(hist, "tandem_verify_batch_tokens"),
+            "verify_busy_share": sum(busy) / wall if None not in busy else None,
+            "cpu_share": {name: sum(r["cpu"].get(name, 0) for r in runs) / wall for name in runs[0]["cpu"]},
+            "verify_rss_peak_mib": max(rss) if rss else None, "gauge_peaks": g}
+
+
+async def level(stack: Stack, modes: list[tuple[str, str]], streams: int, a) -> dict[str, dict]:
+    """A level in every mode, --repeats times, the order of the modes reversed every other time (spec
+    off off spec ...), so that a machine whose speed drifts favours neither; figures by mode."""
+    recs = {mode: Record() for mode, _ in modes}
+    runs: dict[str, list[dict]] = {mode: [] for mode, _ in modes}
+    for i in range(a.repeats):
+        for mode, method in (modes if i % 2 == 0 else modes[::-1]):
+            runs[mode].append(await run(stack, method, streams, a, recs[mode]))
+            recs[mode].run_window_tokens.append(recs[mode].window_tokens - sum(recs[mode].run_window_tokens))
+    return {mode: figures(streams, method, recs[mode], runs[mode], a) for mode, method in modes}
 
 
 async def run_levels(stack: Stack, pair: str, spec: str, levels: list[int], a) -> list[dict]:
     warm = argparse.Namespace(**{**vars(a), "seconds": 0, "requests_per_stream": 1, "max_level_seconds": 0,
-                                 "max_new_tokens": 8})
+                                 "max_new_tokens": 8, "repeats": 1})
     # Every prompt once, all at once, before any level: a prompt's first prefill (of the target, and
     # of a draft model) would otherwise fall on whichever mode meets it first, mostly "spec".
-    await level(stack, spec, a.prompts, warm)
-    await level(stack, "none", 1, warm)
+    await level(stack, [("spec", spec)], a.prompts, warm)
+    await level(stack, [("off", "none")], 1, warm)
     rows = []
     for n in levels:
-        for mode, method in (("spec", spec), ("off", "none")):
-            row = {"pair": pair, "mode": mode, **await level(stack, method, n, a)}
+        for mode, row in (await level(stack, [("spec", spec), ("off", "none")], n, a)).items():
+            row = {"pair": pair, "mode": mode, **row}
             rows.append(row)
-            print(f"  {n:3d} streams {mode:4s} {row['tok_s']:7.2f} tok/s, {row['completed']} done, "
+            print(f"  {n:3d} streams {mode:4s} {row['tok_s']:7.2f} tok/s "
+                  f"(runs {', '.join(fmt(t) for t in row['run_tok_s'])}; host GFLOP/s "
+                  f"{', '.join(f'{x:.0f}' for x in row['host_gflops'])}), {row['completed']} done, "
                   f"{row['cut']} cut, errors {row['errors'] or 0}, {row['wall_s']:.0f} s", flush=True)
             for code, details in row["error_details"].items():
                 print(f"      {code}: {details}", flush=True)
@@ -396,6 +455,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip-qwen", action="store_true", help="leave the Qwen pair out")
     p.add_argument("--seconds", type=float, help=f"per level and mode: start requests for this long "
                    f"(default {FULL['seconds']:.0f}), then let the running ones finish")
+    p.add_argument("--repeats", type=int, help=f"runs per level and mode, interleaved: spec off off spec ... "
+                   f"(default {FULL['repeats']})")
     p.add_argument("--max-level-seconds", type=float, help=f"cancel what still runs after this long "
                    f"(default {FULL['max_level_seconds']:.0f}; 0: never)")
     p.add_argument("--requests-per-stream", type=int, default=0, help="instead of --seconds: this many per stream")

@@ -81,6 +81,18 @@ class KVPool:
         raise KVPoolFull(f"KV pool full: no run of {n} free slots ({self.free_slots()} of {self.slots} "
                          f"free, fragmented)")
 
+    def grow(self, start: int, n: int, more: int) -> bool:
+        """Extends the run of n slots at `start` by `more` when the free run right after it has them."""
+        with self._lock:
+            for i, (s, length) in enumerate(self._free):
+                if s == start + n and length >= more:
+                    if length == more:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (s + more, length - more)
+                    return True
+            return False
+
     def compact(self) -> int:
         """Slides every run down to the start of the pool, so all free slots form one run at the end;
         returns the positions copied. Only between forward passes (on the inference thread): a pass
@@ -157,13 +169,27 @@ class SessionCache:
         if position < self._lent:
             self.uid, self._lent = next(_uids), 0
 
-    def reserve(self, total: int) -> None:
-        """Makes room for `total` positions, moving to a longer run (one copy) when needed."""
+    def reserve(self, total: int, spare: bool = True) -> None:
+        """Makes room for `total` positions: in place when the slots after the run are free, else by
+        moving to a longer run (one copy). With `spare`, to twice the capacity where the pool has
+        it, so that a cache growing a little at a time rarely grows again (a budgeted session asks
+        for exactly its reservation). Raises KVPoolFull."""
         if total <= self.capacity:
             return
-        capacity = max(total, 2 * self.capacity)
+        sizes = list(dict.fromkeys((max(total, 2 * self.capacity), total) if spare else (total,)))
         with self.pool._lock:
-            start = self.pool.allocate(capacity)
+            if self._finalizer.alive:
+                for capacity in sizes:
+                    if self.pool.grow(self.start, self.capacity, capacity - self.capacity):
+                        self.capacity = self._run[1] = capacity
+                        return
+            for capacity in sizes:
+                try:
+                    start = self.pool.allocate(capacity)
+                    break
+                except KVPoolFull:
+                    if capacity == sizes[-1]:
+                        raise
             old = slice(self.start, self.start + self.length)
             new = slice(start, start + self.length)
             self.pool.keys[:, :, new] = self.pool.keys[:, :, old]

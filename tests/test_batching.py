@@ -62,6 +62,33 @@ def test_cache_grows_by_moving_once_and_keeps_its_contents(tiny_pair):
     assert torch.allclose(tail, model.forward(ids, fresh)[3:], atol=1e-5)
 
 
+def test_cache_grows_in_place_into_free_slots_and_moves_only_when_it_must():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=1, slots=10)
+    a = SessionCache(pool, 3)
+    pool.keys[0, 0, 0:3, 0] = torch.arange(1.0, 4.0)
+    a.length = 3
+    a.reserve(4)                                   # in place, with room to spare: twice the capacity
+    assert (a.start, a.capacity) == (0, 6) and pool.free_runs() == [(6, 4)]
+    a.reserve(8, spare=False)                      # in place, exactly
+    assert (a.start, a.capacity) == (0, 8) and pool.free_runs() == [(8, 2)]
+    b = SessionCache(pool, 1)                      # [8, 9): in the way, and no free run of 9
+    with pytest.raises(KVPoolFull):
+        a.reserve(9)
+    assert (a.start, a.capacity) == (0, 8) and pool.free_runs() == [(9, 1)]
+    b.release()
+    a.reserve(10)                                  # in place; twice would not fit, 10 does
+    assert (a.start, a.capacity) == (0, 10) and not pool.free_runs()
+    assert pool.keys[0, 0, 0:3, 0].tolist() == [1.0, 2.0, 3.0]
+
+    pool = KVPool(layers=1, kv_heads=1, head_dim=1, slots=12)
+    a, b = SessionCache(pool, 4), SessionCache(pool, 2)
+    pool.keys[0, 0, 0:2, 0] = torch.tensor([5.0, 6.0])
+    a.length = 2
+    a.reserve(5)                                   # moves; twice the capacity (8) does not fit, 5 does
+    assert (a.start, a.capacity) == (6, 5) and pool.keys[0, 0, 6:8, 0].tolist() == [5.0, 6.0]
+    assert pool.free_runs() == [(0, 4), (11, 1)]
+
+
 def test_batched_forward_equals_transformers_on_each_sequence(tiny_pair):
     model = CausalLM(str(tiny_pair[0]), kv_tokens=256)
     ref = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()  # transformers' own attention
@@ -279,6 +306,44 @@ def test_full_pool_queues_a_request_then_admits_or_refuses_it(small_pool_stack):
             assert (await waiting.read()).WhichOneof("kind") == "opened"
             for call in (holders[1], waiting):
                 call.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_later_turn_whose_cache_cannot_grow_is_rebuilt_not_refused(small_pool_stack, tiny_models):
+    """A finished turn holds 220 of the 450 positions; its next turn needs 423. Its run cannot grow
+    in place when a live session holds the slots after it, and there is no room for a second run
+    beside it: the earlier turn gives its run up and the history is prefilled again, with the
+    target's own output. Before, the run stayed allocated until the last reference to the earlier
+    turn went, and one run of the suite got RESOURCE_EXHAUSTED ("KV pool fragmented") here."""
+    def opening(session_id, prompt, max_new):
+        return ipb.VerifyRequest(open=ipb.OpenSession(session_id=session_id, prompt_ids=prompt,
+                                                      sampling=ipb.WorkerSampling(max_new_tokens=max_new,
+                                                                                  top_p=1.0)))
+
+    async def turn(stub, session_id, prompt, max_new):
+        call = stub.Verify(timeout=120)
+        await call.write(opening(session_id, prompt, max_new))
+        opened = (await call.read()).opened
+        await call.write(ipb.VerifyRequest(proposal=ipb.Proposal(plain_steps=max_new)))
+        out = [t for _ in range(max_new) for t in (await call.read()).verdict.token_ids]
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        return opened, out
+
+    async def main():
+        async with grpc.aio.insecure_channel(small_pool_stack.address("verify_worker")) as ch:
+            stub = ipb_grpc.VerifyServiceStub(ch)
+            first = [3, 4, 5]
+            _, out = await turn(stub, "grows", first, 200)                # 3 + 200 + 17 = 220
+            assert out == reference(tiny_models[0], first, SamplingParams(max_new_tokens=200))
+            wall = stub.Verify(timeout=120)                                 # 3 + 7 + 17 = 27 positions
+            await wall.write(opening("wall", [6, 7, 8], 7))
+            assert (await wall.read()).HasField("opened")
+            second = first + out + [9, 10, 11]
+            _, out2 = await turn(stub, "grows", second, 200)              # 206 + 200 + 17 = 423
+            assert out2 == reference(tiny_models[0], second, SamplingParams(max_new_tokens=200))
+            wall.cancel()
 
     asyncio.run(main())
 

@@ -11,6 +11,7 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from tests.stack import stack  # noqa: F401  (the fixture)
+from verify_worker.price import TokenPrice
 
 PROMPT = [5, 17, 42, 99, 7, 63, 12]
 N = 24
@@ -181,3 +182,30 @@ async def test_a_shared_prompt_prefix_is_copied_not_recomputed(stack, tiny_model
         assert cached == len(prompt) and out == reference(tiny_models[0], longer, params)
         short = prompt[:10] + [8, 8, 8, 8, 8, 8, 8, 8]             # shares 10 < 16 tokens: computed
         assert (await session("", short))[0] == 0
+
+
+async def test_each_verdict_carries_the_workers_seconds_per_position(stack, tiny_models):
+    """Verdict.position_seconds is the verify worker's fitted marginal seconds per proposed position
+    (its price's beta), which the draft worker's controller uses to learn what a plain round in the
+    same pass would have taken. Seeded with passes that cost 1 s per position, the verdicts say so."""
+    expected = reference(tiny_models[0], PROMPT, SamplingParams(max_new_tokens=N))
+    original, price = stack.verify.price, TokenPrice()
+    for n in range(1, 41):
+        price.observe_pass(n, 0, 0.5 + 1.0 * n)
+    stack.verify.price = price
+    try:
+        async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+            call = pb_grpc.VerifyServiceStub(ch).Verify(timeout=60)
+            await call.write(opening("position-seconds"))
+            assert (await call.read()).HasField("opened")
+            done = 0
+            for k in (3, 0, 2, 1):
+                await call.write(proposal(expected[done:done + k]))
+                verdict = (await call.read()).verdict
+                assert verdict.accepted == k
+                done += k + 1
+                assert verdict.position_seconds == pytest.approx(price.beta, rel=1e-6)
+                assert 0.5 < verdict.position_seconds < 1.5
+            await call.done_writing()
+    finally:
+        stack.verify.price = original

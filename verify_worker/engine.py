@@ -67,7 +67,7 @@ class VerifyEngine:
         need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
             reuse.cache.crop(min(common_prefix(reuse.tokens, prompt_ids), len(prompt_ids) - 1))
-            reuse.cache.reserve(need)
+            reuse.cache.reserve(need, spare=False)     # exactly what the budget reserved
             cache = reuse.cache
         else:
             cache = self.model.new_cache(need)

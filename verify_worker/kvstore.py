@@ -68,10 +68,11 @@ class SessionKeeper:
         """Drops the least recently used idle session and frees its KV; False when none is idle."""
         if not self.idle:
             return False
-        self._evict(*self.idle.popitem(last=False))
+        self.evict(*self.idle.popitem(last=False))
         return True
 
-    def _evict(self, evicted: str, session: TargetSession) -> None:
+    def evict(self, evicted: str, session: TargetSession) -> None:
+        """Frees an idle session's KV (one no longer in `idle`), counted as an eviction."""
         self.evictions += 1
         metrics.EVICTIONS.inc()
         telemetry.event("evict", {"gen_ai.conversation.id": evicted, "tandem.kv.tokens": session.cache.length})
@@ -102,7 +103,7 @@ class SessionKeeper:
         if best is None or not best[1]:
             return False
         for sid in best[1]:
-            self._evict(sid, self.idle.pop(sid))
+            self.evict(sid, self.idle.pop(sid))
         return True
 
     async def wait_for_space(self, timeout: float) -> None:

@@ -95,10 +95,16 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 try:
                     return self.engine.open(session_id, prompt_ids, params, reuse)
                 except KVPoolFull:
-                    # Within budget, but no run of free slots is long enough: evict the idle turns
-                    # that make one (no copy), else compact the pool once, then evict idle turns,
-                    # then wait like any request that does not fit.
+                    # Within budget, but no run of free slots is long enough. An earlier turn whose run
+                    # could not grow gives it up (this turn prefills the history instead: reusing it
+                    # would need its run and a longer one at once). Then evict the idle turns that make
+                    # a run (no copy), else compact the pool once, then evict idle turns, then wait
+                    # like any request that does not fit.
                     self.keeper.release(id(context), None, keep=False)
+                    if reuse is not None:
+                        self.keeper.evict(session_id, reuse)
+                        reuse = None
+                        continue
                     if self.keeper.evict_for(self.engine.model.pool, need):
                         continue
                     if not compacted:
