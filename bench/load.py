@@ -140,7 +140,6 @@ class Record:
     errors: Counter = field(default_factory=Counter)
     error_details: dict[str, str] = field(default_factory=dict)   # the first message per code
     methods: Counter = field(default_factory=Counter)       # usage.draft_method: what actually ran
-    run_window_tokens: list[int] = field(default_factory=list)  # window_tokens of each run
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -291,12 +290,13 @@ def host_gflops(seconds: float = 0.25) -> float:
 
 async def run(stack: Stack, method: str, streams: int, a, rec: Record) -> dict:
     """One run of a level in one mode: adds what the streams saw to `rec`, returns what was measured
-    around them (wall time, CPU and busy seconds, histogram sums, gauge peaks, host speed)."""
+    around them (wall time, its window's tokens, CPU and busy seconds, histogram sums, gauge peaks,
+    host speed)."""
     reqs = [build_request(p, chat=True, max_new_tokens=a.max_new_tokens, method=method, k=a.k)
             for p in PROMPTS[:a.prompts]]
     stop = asyncio.Event()
     await settle(stack)
-    speed = host_gflops()
+    speed, window_before = host_gflops(), rec.window_tokens
     verify_metrics = stack.metrics_url("verify_worker")
     before = await asyncio.to_thread(scrape, verify_metrics, "histogram")
     busy_before = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
@@ -321,7 +321,7 @@ async def run(stack: Stack, method: str, streams: int, a, rec: Record) -> dict:
     cpu_after = cpu_all(stack)
     after = await asyncio.to_thread(scrape, verify_metrics, "histogram")
     busy_after = (await asyncio.to_thread(scrape, verify_metrics, "counter")).get(BUSY)
-    return {"wall": wall, "host_gflops": speed,
+    return {"wall": wall, "host_gflops": speed, "window_tokens": rec.window_tokens - window_before,
             "cpu": {name: cpu_after[name] - b for name, b in cpu_before.items()
                     if b is not None and cpu_after.get(name) is not None},
             "busy": busy_after - busy_before if None not in (busy_before, busy_after) else None,
@@ -347,7 +347,7 @@ def figures(streams: int, method: str, rec: Record, runs: list[dict], a) -> dict
     return {"streams": streams, "method": method, "runs": len(runs), "wall_s": wall, "tokens": rec.tokens,
             "tok_s": rec.window_tokens / window if window else rec.tokens / wall,
             "level_tok_s": rec.tokens / wall, "window_tokens": rec.window_tokens,
-            "run_tok_s": [t / a.seconds if window else None for t in rec.run_window_tokens],
+            "run_tok_s": [r["window_tokens"] / a.seconds if window else None for r in runs],
             "host_gflops": [r["host_gflops"] for r in runs],
             "completed": rec.completed, "cut": rec.cut, "cut_waiting": rec.cut_waiting, "errors": dict(rec.errors),
             "error_details": rec.error_details, "draft_methods": dict(rec.methods),
@@ -376,7 +376,6 @@ async def level(stack: Stack, modes: list[tuple[str, str]], streams: int, a) -> 
     for i in range(a.repeats):
         for mode, method in (modes if i % 2 == 0 else modes[::-1]):
             runs[mode].append(await run(stack, method, streams, a, recs[mode]))
-            recs[mode].run_window_tokens.append(recs[mode].window_tokens - sum(recs[mode].run_window_tokens))
     return {mode: figures(streams, method, recs[mode], runs[mode], a) for mode, method in modes}
 
 

@@ -73,10 +73,7 @@ class KVPool:
         with self._lock:
             for i, (start, length) in enumerate(self._free):
                 if length >= n:
-                    if length == n:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + n, length - n)
+                    self._take(i, n)
                     return start
         raise KVPoolFull(f"KV pool full: no run of {n} free slots ({self.free_slots()} of {self.slots} "
                          f"free, fragmented)")
@@ -86,12 +83,17 @@ class KVPool:
         with self._lock:
             for i, (s, length) in enumerate(self._free):
                 if s == start + n and length >= more:
-                    if length == more:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (s + more, length - more)
+                    self._take(i, more)
                     return True
             return False
+
+    def _take(self, i: int, n: int) -> None:
+        """Takes the first n slots of the i-th free run."""
+        start, length = self._free[i]
+        if length == n:
+            del self._free[i]
+        else:
+            self._free[i] = (start + n, length - n)
 
     def compact(self) -> int:
         """Slides every run down to the start of the pool, so all free slots form one run at the end;
