@@ -337,8 +337,11 @@ class ForwardBatch:
         for i, (start, past, n, (source, shared)) in enumerate(parts):
             slots.extend(range(start + past, start + past + n))
             offsets.append(offsets[-1] + parts[i - 1][2] if i else 0)
-            if n <= cls.SHORT:                # a prefill chunk pads nothing: it attends alone
-                by_source.setdefault(source, []).append(i)
+            # Grouped by prefix and by new tokens: a group pads every member's queries to its
+            # longest, and one 17-token proposal among 47 single tokens made that pass 1.7x slower.
+            # A prefill chunk (longer than SHORT) attends alone.
+            if n <= cls.SHORT:
+                by_source.setdefault((source, n), []).append(i)
         alone, groups = [i for i, p in enumerate(parts) if p[2] > cls.SHORT], []
         for members in by_source.values():
             prefix = min(min(parts[i][3][1], parts[i][1]) for i in members)

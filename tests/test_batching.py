@@ -114,8 +114,10 @@ def test_batched_forward_equals_transformers_on_each_sequence(tiny_pair):
 
 def test_sessions_with_a_copied_prefix_attend_it_together_and_stay_exact(tiny_pair):
     """Three sessions whose runs begin with copies of one prompt prefix (plus one that computed the
-    same tokens itself) in one pass: the prefix is attended once for the three, merged with each
-    one's own positions, and every session's logits equal transformers' on its own sequence."""
+    same tokens itself) in one pass: the two feeding as many new tokens (at different lengths)
+    attend the prefix once, together, merged with each one's own positions; the one feeding more
+    attends alone (a group pads its queries to its longest member). Every session's logits equal
+    transformers' on its own sequence."""
     model = CausalLM(str(tiny_pair[0]), kv_tokens=512)
     ref = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
     g = torch.Generator().manual_seed(1)
@@ -130,11 +132,13 @@ def test_sessions_with_a_copied_prefix_attend_it_together_and_stay_exact(tiny_pa
         c.copy_prefix(donor, len(prefix))
     assert len({c.prefix_key()[0] for c in caches[:3]}) == 1 != len({c.prefix_key()[0] for c in caches})
     model.forward(seqs[3][:24], caches[3])          # same tokens, own computation: attended alone
-    # one new token for one session, several for the others (a round, a prefill chunk)
-    feeds = [(24, 25), (24, 30), (24, 38), (24, 29)]
+    model.forward(seqs[1][24:25], caches[1])        # one position more of its own than the first
+    # two new tokens for two sessions, more for the others (a proposal, a prefill chunk)
+    feeds = [(24, 26), (25, 27), (24, 38), (24, 29)]
     batch = [(c, s[a:b], None) for c, s, (a, b) in zip(caches, seqs, feeds)]
     parts = [(c.start, c.length, len(ids), c.prefix_key()) for c, ids, _ in batch]
-    assert len(ForwardBatch.build(model.pool, parts).shared) == 1
+    shared = ForwardBatch.build(model.pool, parts).shared
+    assert [g.shape for g in shared] == [(2, 2, 3)]     # 2 sessions, 2 queries each, up to 3 own positions
     out = model.forward_batch(batch)
     for o, f, (a, b) in zip(out, full, feeds):
         assert torch.allclose(o, f[a:b], atol=1e-4)
