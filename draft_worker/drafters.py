@@ -31,6 +31,11 @@ class Draft:
     support: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # per proposed position: (ids [m] int64, probs [m] float32) of q, when sampled; None when the
     # proposal is greedy or deterministic
+    kind: int | None = None                    # proposals of one kind share an acceptance record:
+                                               # the n-gram drafter's match length; None: one for all
+
+    def prefix(self, n: int) -> Draft:
+        return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind)
 
 
 class DraftState(Protocol):
@@ -203,7 +208,7 @@ class NgramDrafter:
                 if context[start:start + n] == tail:
                     follow = context[start + n:start + n + k]
                     if follow:
-                        return Draft(follow)
+                        return Draft(follow, kind=n)
         return Draft([])
 
     def close(self) -> None:

@@ -45,8 +45,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size          # the draft model's; None for model-free drafting
         self.inference = inference
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # by (method, verify worker): acceptance by position over recent sessions, a new session's prior
-        self._acceptance: dict[tuple[str, str], Survival] = {}
+        # by (method, verify worker), then kind of proposal: acceptance by position over recent
+        # sessions, a new session's prior
+        self._acceptance: dict[tuple[str, str], dict[object, Survival]] = {}
         self.sessions: dict[int, object] = {}     # drafter state by stream, while the stream lives
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
         metrics.declare_methods(drafters)
@@ -89,7 +90,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # Greedy only: a sampled request's output must not depend on measured timings, so that
             # its seed reproduces it on any worker.
             adaptive = self.adaptive_k and params.greedy
-            prior = self._acceptance.setdefault((drafter.name, request.verify_address), Survival())
+            prior = self._acceptance.setdefault((drafter.name, request.verify_address), {})
             control = controller_for(opened.forward_ms, prior, opened.token_cost) if adaptive else None
 
             def next_k() -> int:
@@ -103,6 +104,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             while True:
                 if not owed:
                     draft, propose_s = await pending
+                    if control is not None and draft.tokens:
+                        draft = draft.prefix(control.fit(len(draft.tokens), draft.kind))
                     # Plain rounds in a row go as one request: the verify worker decodes them
                     # back to back without waiting for a round trip each.
                     run = control.plain_run() if control is not None and not draft.tokens else 1

@@ -1,5 +1,7 @@
 """The speculation controller speculates while that gives more tokens per second than plain decoding."""
 
+import pytest
+
 from draft_worker.controller import SpeculationController, controller_for, plain_instead
 from tests.stack import stack  # noqa: F401  (the fixture)
 
@@ -116,6 +118,66 @@ def test_price_cuts_proposals_to_the_positions_that_pay_for_themselves():
     assert c.choose(4) == 0                   # a saturated verify worker: decode plainly
 
 
+def test_a_busy_worker_gets_no_probes_a_drafts_record_cannot_justify():
+    """Trial rounds after a back-off probe with one position even when no position pays its price,
+    so that a draft that got better is noticed; but not when the first position's acceptance,
+    counting one more accepted proposal, stays under the price."""
+    c = started(PLAIN_MS, backoff=2, max_backoff=8)
+    for _ in range(5):                        # the first position accepted 60% of the time
+        for accepted in (1, 0, 1, 0, 1):
+            c.observe(1, 1 + accepted, 0.5, accepted=accepted, price=0.0)
+    s = c.survival
+    rate, hopeful = s.accepted[1] / s.reached[1], (s.accepted[1] + 1) / (s.reached[1] + 1)
+    assert rate < hopeful < 0.9
+    c.observe(0, 1, 0.5, price=(rate + hopeful) / 2)     # the first position does not pay, may yet
+    chosen = [c.choose(4) for _ in range(6)]
+    assert chosen == [0, 0, 0, 1, 0, 0]       # a back-off of 2 rounds, then the probe
+    c.observe(1, 1, 0.5, accepted=0, price=0.9)
+    chosen = []
+    for _ in range(40):
+        chosen.append(c.choose(4))
+        c.observe(0, 1, 0.5, price=0.9)
+    assert chosen == [0] * 40                 # 0.9: not even a probe, however long the wait
+
+
+def test_a_draft_never_measured_is_probed_not_sent_whole_into_a_busy_worker():
+    """Positions not seen yet count as accepted half the time, the next ones as the first's rate
+    to the power j: under a low price a new session proposes a few, under a high one it backs off
+    and then probes one position; once the first position is known to hold (0.94), the next are
+    tried while 0.94^j pays."""
+    c = started(PLAIN_MS, backoff=2)
+    c.observe(0, 1, 0.5, price=0.2)
+    assert c.choose(8) == 2                    # 0.5 and 0.25 pay 0.2, 0.125 does not
+    c = started(PLAIN_MS, backoff=2)
+    c.observe(0, 1, 0.5, price=0.8)
+    assert [c.choose(8) for _ in range(4)] == [0, 0, 0, 1]
+    for _ in range(10):
+        c.observe(1, 2, 0.5, accepted=1, price=0.8)
+    assert c.survival.worth(8, 0.8) == 3       # 0.94, 0.89, 0.84 pay 0.8; 0.80 does not
+    assert c.survival.worth(8, 0.0) == 8       # no price: all
+
+
+def test_each_kind_of_proposal_is_cut_by_its_own_acceptance():
+    """The n-gram drafter names a proposal's kind (its match length): after a 3-token match the
+    proposals are accepted, after a 1-token match not; under a price the first go whole and the
+    second not at all, and a later session starts from what earlier ones measured."""
+    from draft_worker.drafters import NgramDrafter
+    assert NgramDrafter().propose([5, 6, 7, 8, 5, 6, 7], 2).kind == 3
+    assert NgramDrafter().propose([5, 6, 7, 8, 9, 7], 2).kind == 1
+    prior: dict = {}
+    c = started(PLAIN_MS, prior=prior)
+    for _ in range(20):
+        for kind, accepted in ((3, 4), (1, 0)):
+            assert c.fit(4, kind) == 4            # no price: every position is worth trying
+            c.observe(4, accepted + 1, 0.5, accepted=accepted, price=0.0)
+    c.observe(0, 1, 0.5, price=0.5)
+    assert c.fit(4, 3) == 4 and c.fit(4, 1) == 0
+    assert c.choose(4) == 4                       # the best kind's worth: the draft is cut after
+    later = started(PLAIN_MS, prior=prior)
+    later.observe(0, 1, 0.5, price=0.5)
+    assert later.fit(4, 3) == 4 and later.fit(4, 1) == 0
+
+
 def test_token_price_is_marginal_pass_time_times_output_per_pass_second():
     from verify_worker.price import TokenPrice
     price = TokenPrice(decay=1.0)
@@ -145,6 +207,34 @@ def test_token_price_is_at_least_what_plain_decoding_of_the_sessions_would_give(
     assert price.rate < plain
     assert abs(price.plain_rate / plain - 1) < 0.01
     assert abs(price.value / min(1.0, 0.0015 * plain) - 1) < 0.01
+
+
+def test_a_crowd_after_a_quiet_spell_is_priced_by_the_calibrated_slope():
+    """Passes of 1 to 4 positions cost the same (reading the weights): the fit's slope is 0. A pass
+    of as many sessions as the calibration fed positions gets at least the slope the calibration
+    measured at its longest inputs; a small pass does not."""
+    from verify_worker.price import TokenPrice
+    price = TokenPrice.calibrated([70.0] * 8 + [70.0 + 3 * i for i in range(1, 9)])   # 16 lengths
+    assert abs(price.floor_beta - 0.003) < 1e-9 and price.floor_from == 16
+    for tokens in (1, 2, 3, 4) * 5:
+        price.observe_output(tokens)
+        price.observe_pass(tokens, 0, 0.07, tokens)
+    assert price.beta < 1e-6 and price.for_batch(4) < 1e-6
+    assert price.for_batch(64) > 0.5
+    assert TokenPrice.calibrated([]).for_batch(64) == 0.0
+
+
+def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():
+    """After many passes of 2 sessions, a pass of 64: its price is the slope times what plain
+    decoding of 64 sessions gives per second, not of the recent passes' 2."""
+    from verify_worker.price import TokenPrice
+    price = TokenPrice()
+    for sessions in (2, 3) * 10 + (64,):
+        price.observe_output(sessions)
+        price.observe_pass(sessions, 0, 0.05 + 0.004 * sessions, sessions)
+    plain_64 = 64 / (0.05 + 0.004 * 64)
+    assert price.for_batch(64) == pytest.approx(0.004 * plain_64 * 63 / 64, rel=0.02)
+    assert price.for_batch(64) > 2 * price.value * 63 / 64       # the recent mean's price
 
 
 def test_plain_rounds_planned_after_a_back_off_are_asked_for_as_one_run():

@@ -14,14 +14,22 @@ would give: S tokens per pass of S positions, S / (alpha + beta * S) from the sa
 is the floor because the first describes the current passes: when proposals fill them with
 rejected positions the measured rate drops, and a price from it would invite the very speculation
 that slowed the worker down. Under load plain decoding is the opportunity cost of a pass-second.
+
+The price a verdict carries (`for_batch`) takes the plain rate for the size of the pass it came
+from. And the fit describes the passes the worker ran lately: when many sessions arrive at once
+after a quiet spell, the passes it knows held a few positions each, which on a CPU cost about the
+same however many there are (reading the weights takes the time), so beta is near 0. A pass of at
+least as many sessions as the start-up calibration fed positions (`floor_from`) is priced at no
+less than the slope the calibration measured at its longest inputs (`floor_beta`).
 """
 
 from __future__ import annotations
 
 
 class TokenPrice:
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.95, floor_beta: float = 0.0, floor_from: int = 0) -> None:
         self.decay = decay
+        self.floor_beta, self.floor_from = floor_beta, floor_from
         # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
         # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
         self._xx = [[0.0] * 3 for _ in range(3)]
@@ -85,14 +93,33 @@ class TokenPrice:
         seconds = fit[0] + fit[1] * sessions
         return sessions / seconds if seconds > 0 else 0.0
 
+    @classmethod
+    def calibrated(cls, forward_ms: list[float]) -> TokenPrice:
+        """A price floored by the slope of the start-up calibration's upper half (forward_ms[i]:
+        a pass of i + 1 new tokens); no floor without one."""
+        n = len(forward_ms)
+        if n < 4:
+            return cls()
+        half = n // 2
+        return cls(floor_beta=max(0.0, (forward_ms[-1] - forward_ms[half - 1]) / (n - half) / 1000), floor_from=n)
+
     @property
     def value(self) -> float:
         fit = self._fit()                       # solved once: value is read for every verdict
         return min(1.0, (fit[1] if fit else 0.0) * max(self.rate, self._plain_rate(fit)))
 
     def for_batch(self, sessions: int) -> float:
-        """The price a session pays in a pass of `sessions`: others' share of it (0 alone)."""
-        return self.value * (1 - 1 / max(1, sessions))
+        """The price a session pays in a pass of `sessions`: others' share of it (0 alone). The
+        plain rate is that of a pass of this many sessions, not of the recent passes' mean: when
+        64 sessions arrived after passes of a few, the mean priced their first rounds at 0.2 and
+        every one proposed 8 positions."""
+        fit = self._fit()
+        alpha, beta = fit if fit else (0.0, 0.0)
+        if self.floor_from and sessions >= self.floor_from:
+            beta = max(beta, self.floor_beta)
+        seconds = alpha + beta * sessions
+        rate = max(self.rate, sessions / seconds if seconds > 0 else 0.0)
+        return min(1.0, beta * rate) * (1 - 1 / max(1, sessions))
 
 
 def _det3(m: list[list[float]]) -> float:
