@@ -146,10 +146,11 @@ class SpeculationController:
             self.plain_rounds_left -= 1
             self.trial = self.plain_rounds_left == 0
             return 0
-        worth = max(s.worth(k, self.price) for s in self._kinds())   # of the best kind
+        kinds = self._kinds()
+        worth = max(s.worth(k, self.price) for s in kinds)   # of the best kind
         if self.trial:               # full k, but still only the positions that pay their price
             self.trial = False
-            if worth or any(s.hopeful(self.price) for s in self._kinds()):
+            if worth or any(s.hopeful(self.price) for s in kinds):
                 self.probe = not worth
                 return max(1, worth)
             # Not even one position could pay (a busy worker): no probe, a longer plain run. At 64

@@ -89,9 +89,7 @@ class TokenPrice:
     def _plain_rate(self, fit: tuple[float, float] | None) -> float:
         if fit is None or not self._passes:
             return 0.0
-        sessions = self._sessions / self._passes
-        seconds = fit[0] + fit[1] * sessions
-        return sessions / seconds if seconds > 0 else 0.0
+        return _plain(*fit, self._sessions / self._passes)
 
     @classmethod
     def calibrated(cls, forward_ms: list[float]) -> TokenPrice:
@@ -117,9 +115,14 @@ class TokenPrice:
         alpha, beta = fit if fit else (0.0, 0.0)
         if self.floor_from and sessions >= self.floor_from:
             beta = max(beta, self.floor_beta)
-        seconds = alpha + beta * sessions
-        rate = max(self.rate, sessions / seconds if seconds > 0 else 0.0)
+        rate = max(self.rate, _plain(alpha, beta, sessions))
         return min(1.0, beta * rate) * (1 - 1 / max(1, sessions))
+
+
+def _plain(alpha: float, beta: float, sessions: float) -> float:
+    """Tokens per second of passes in which `sessions` sessions decode plainly, by the fit."""
+    seconds = alpha + beta * sessions
+    return sessions / seconds if seconds > 0 else 0.0
 
 
 def _det3(m: list[list[float]]) -> float:
