@@ -1,11 +1,11 @@
-# Tandem: make setup | protos | run | test | soak | bench | bench-load | image | deploy-check
+# Tandem: make setup | protos | run | test | soak | bench | bench-load | bench-passcost | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-slow soak bench bench-load image deploy-check clean
+.PHONY: setup protos run test test-slow soak bench bench-load bench-passcost image deploy-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: setup
 LOAD_ARGS ?=
 bench-load: setup
 	$(PY) -m bench.load $(LOAD_ARGS)
+
+# A batched verify pass's time by sessions and positions (bench/passcost.py), the controller's cost curve.
+bench-passcost: setup
+	$(PY) -m bench.passcost --shared 120
 
 # One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
 IMAGE ?= tandem

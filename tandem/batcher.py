@@ -33,6 +33,7 @@ class Ran:
     seconds: float       # the whole batch's forward pass and follow-ups
     batch_size: int      # sessions taken into that pass
     fed: int             # tokens of this item the pass took (fewer than given when it was cut)
+    positions: int = 0   # tokens the pass fed, all sessions together
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Batcher:
                     if isinstance(outcome, Exception):
                         item.future.set_exception(outcome)
                     else:
-                        item.future.set_result(Ran(outcome, seconds, len(batch), len(item.tokens)))
+                        item.future.set_result(Ran(outcome, seconds, len(batch), len(item.tokens), tokens + prefill))
 
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""

@@ -93,7 +93,8 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
     add_flag(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_flag(parser, "--calibrate", default=True, type=bool,
              help="at start-up, measure the forward pass for each number of new tokens and pad "
-                  "inputs to a longer length where that is faster")
+                  "inputs to a longer length where that is faster; the verify worker also times passes "
+                  "of 1, 2, 4, ... sessions, the speculation price's cost curve")
     add_flag(parser, "--packed-gemm", default=True, type=bool,
              help="float32 on the CPU: run Linear layers in oneDNN on weights packed at start-up instead of "
                   "torch's stock kernel (a tied output layer gets its own packed copy)")

@@ -67,6 +67,7 @@ class CausalLM:
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
         self.padded_length: dict[int, int] = {}
         self.forward_ms: list[float] = []         # [i]: one forward pass of i+1 new tokens, padded as above
+        self.pass_ms: list[tuple[int, float]] = []  # (S, ms): a pass of S sessions feeding a token each
         config = self.model.config
         self.name = spec
         self.vocab_size: int = config.vocab_size
@@ -159,6 +160,46 @@ class CausalLM:
         self.forward_ms = [1000 * times[self.padded_length.get(n, n)] for n in range(1, max_new + 1)]
         log.info("forward ms by new tokens: %s; padded: %s",
                  {n: round(1000 * t, 1) for n, t in times.items()}, self.padded_length or "none")
+
+    def calibrate_passes(self, max_sessions: int, context: int = 64, repeats: int = 2,
+                         budget_s: float = 4.0) -> None:
+        """Measures a batched pass of S sessions feeding one token each, S = 1, 2, 4, ... up to
+        max_sessions, into `pass_ms` [(S, ms)]: what a pass costs by its size, which one session's
+        longer inputs (`calibrate`) do not tell. On a CPU the curve bends: up to a few dozen
+        positions a pass costs about the same however many (reading the weights takes the time),
+        beyond that each position adds its arithmetic (SmolLM2-135M here: 86 ms for 16 positions,
+        205 for 64, 305 for 128). Sizes stop where the pool has no room or the passes so far took
+        `budget_s`; each size's fastest of `repeats` runs is kept."""
+        context = min(context, self.max_context - 2)
+        sessions = min(max_sessions, self.pool.free_slots() // (2 * (context + 2)))
+        self.pass_ms = []
+        if sessions < 4:
+            return
+        donor = self.new_cache(context + 1)
+        self.forward([1] * context, donor, last=1)
+        caches = []
+        for _ in range(sessions):
+            cache = self.new_cache(context + 2)
+            cache.copy_prefix(donor, context)
+            caches.append(cache)
+        spent, size = 0.0, 1
+        self.forward_batch([(c, [1], None) for c in caches[:2]])           # warm-up
+        for c in caches[:2]:
+            c.crop(context)
+        while size <= sessions and spent < budget_s:
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.forward_batch([(c, [1], None) for c in caches[:size]])
+                took = time.perf_counter() - start
+                best, spent = min(best, took), spent + took
+                for c in caches[:size]:
+                    c.crop(context)
+            self.pass_ms.append((size, 1000 * best))
+            size *= 2
+        for c in (donor, *caches):
+            c.release()
+        log.info("forward ms by sessions in a pass: %s", {s: round(ms, 1) for s, ms in self.pass_ms})
 
 
 def context_length(config) -> int:

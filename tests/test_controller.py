@@ -2,7 +2,7 @@
 
 import pytest
 
-from draft_worker.controller import SpeculationController, controller_for, plain_instead
+from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
 from tests.stack import stack  # noqa: F401  (the fixture)
 
 PLAIN_MS = 600.0         # one plain round, as the verify worker measured it
@@ -186,11 +186,12 @@ def test_token_price_is_marginal_pass_time_times_output_per_pass_second():
     for tokens, prefill in zip((1, 8, 16, 32, 64) * 4, (0, 0, 256, 0, 100, 0, 0)  * 3):
         seconds = 0.05 + 0.002 * tokens + 0.0005 * prefill
         price.observe_output(tokens // 2)                      # given out by the pass before
-        price.observe_pass(tokens, prefill, seconds)
+        price.observe_pass(tokens, prefill, seconds, tokens)
         out, busy = out + tokens // 2, busy + seconds
-    assert abs(price.beta - 0.002) < 1e-4                      # prefill's cheaper tokens kept apart
+    assert abs(price.position_seconds(1, 1) - 0.002) < 1e-4    # prefill's cheaper tokens kept apart
     assert abs(price.rate - out / busy) < 1e-9                 # per second of passes, idle time aside
-    assert abs(price.value / (0.002 * out / busy) - 1) < 0.05
+    # the last pass held 64 sessions, whose plain decoding would give more than the measured rate
+    assert price.value == pytest.approx(0.002 * max(out / busy, 64 / (0.05 + 0.002 * 64)) * 63 / 64, rel=0.05)
 
 
 def test_token_price_is_at_least_what_plain_decoding_of_the_sessions_would_give():
@@ -203,25 +204,40 @@ def test_token_price_is_at_least_what_plain_decoding_of_the_sessions_would_give(
         seconds = 0.04 + 0.0015 * tokens
         price.observe_output(sessions)                         # one token per session: all rejected
         price.observe_pass(tokens, 0, seconds, sessions)
-    plain = 43 / (0.04 + 0.0015 * 43)                          # mean sessions per pass, plainly
+    plain = 44 / (0.04 + 0.0015 * 44)                          # the last pass's sessions, plainly
     assert price.rate < plain
-    assert abs(price.plain_rate / plain - 1) < 0.01
-    assert abs(price.value / min(1.0, 0.0015 * plain) - 1) < 0.01
+    assert price.value == pytest.approx(min(1.0, 0.0015 * plain) * 43 / 44, rel=0.01)
 
 
-def test_a_crowd_after_a_quiet_spell_is_priced_by_the_calibrated_slope():
-    """Passes of 1 to 4 positions cost the same (reading the weights): the fit's slope is 0. A pass
-    of as many sessions as the calibration fed positions gets at least the slope the calibration
-    measured at its longest inputs; a small pass does not."""
+# SmolLM2-135M on this machine: a pass of S sessions feeding one token each, ms
+CURVE = [(1, 50.0), (2, 50.0), (4, 53.0), (8, 60.0), (16, 86.0), (32, 111.0), (64, 205.0), (128, 305.0)]
+
+
+def test_with_a_calibrated_curve_a_position_costs_what_it_adds_to_a_pass_of_that_size():
+    """On a CPU the pass time bends: a line through passes of 16 to 64 positions would price a
+    position in a pass of 64 at 2.5 ms, the curve at 1.6 ms (205 -> 305 ms for 64 more). The price
+    is the share of a plain pass's time that one more position per session adds; passes running
+    slower than at start-up scale the seconds, not the price."""
     from verify_worker.price import TokenPrice
-    price = TokenPrice.calibrated([70.0] * 8 + [70.0 + 3 * i for i in range(1, 9)])   # 16 lengths
-    assert abs(price.floor_beta - 0.003) < 1e-9 and price.floor_from == 16
-    for tokens in (1, 2, 3, 4) * 5:
-        price.observe_output(tokens)
-        price.observe_pass(tokens, 0, 0.07, tokens)
-    assert price.beta < 1e-6 and price.for_batch(4) < 1e-6
-    assert price.for_batch(64) > 0.5
-    assert TokenPrice.calibrated([]).for_batch(64) == 0.0
+    price = TokenPrice.calibrated(CURVE)
+    assert price.for_batch(64) == pytest.approx((305 - 205) / 205 * 63 / 64)
+    assert price.position_seconds(64, 64) == pytest.approx(0.1 / 64)
+    assert price.for_batch(4) == pytest.approx((60 - 53) / 53 * 3 / 4)      # small passes: cheap
+    assert price.for_batch(1) == 0.0                                         # alone: no one else pays
+    # 64 sessions proposing 2 each (192 positions): the line beyond 128 goes on at its last slope
+    assert price.for_batch(64, 192) == pytest.approx((100 / 64) * (64 / 0.205) / 1000 * 63 / 64)
+    for _ in range(20):
+        price.observe_output(64)
+        price.observe_pass(64, 0, 1.5 * 0.205, 64)
+    assert price.position_seconds(64, 64) == pytest.approx(1.5 * 0.1 / 64, rel=1e-6)
+    assert price.for_batch(64) == pytest.approx((305 - 205) / 205 * 63 / 64, rel=1e-6)
+    # an n-gram proposal after a 3-token match (84% accepted at its first position) pays in a pass of 64
+    measured = Survival(decay=1.0)
+    for accepted, proposals in ((0, 16), (1, 12), (2, 11), (3, 61)):
+        for _ in range(proposals):
+            measured.add(3, accepted)
+    assert measured.worth(3, price.for_batch(64)) == 3
+    assert TokenPrice.calibrated([]).curve is None
 
 
 def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():
@@ -234,7 +250,7 @@ def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():
         price.observe_pass(sessions, 0, 0.05 + 0.004 * sessions, sessions)
     plain_64 = 64 / (0.05 + 0.004 * 64)
     assert price.for_batch(64) == pytest.approx(0.004 * plain_64 * 63 / 64, rel=0.02)
-    assert price.for_batch(64) > 2 * price.value * 63 / 64       # the recent mean's price
+    assert price.for_batch(64) > 2 * price.for_batch(2)      # 2 sessions: a plain rate of 2
 
 
 def test_plain_rounds_planned_after_a_back_off_are_asked_for_as_one_run():

@@ -35,6 +35,19 @@ def test_calibrate_only_pads_to_longer_lengths(tiny_pair):
     assert all(n < m <= 6 for n, m in model.padded_length.items())
 
 
+def test_pass_calibration_times_doubling_sizes_and_gives_the_pool_back(tiny_pair):
+    model = CausalLM(str(tiny_pair[0]), kv_tokens=4096)
+    model.calibrate_passes(64, context=16)
+    assert [s for s, _ in model.pass_ms] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(ms > 0 for _, ms in model.pass_ms)
+    assert model.pool.free_slots() == 4096
+    model.calibrate_passes(64, context=16, budget_s=1e-9)       # no time: the first size only
+    assert len(model.pass_ms) == 1
+    small = CausalLM(str(tiny_pair[0]), kv_tokens=100)          # room for 2 sessions: no curve
+    small.calibrate_passes(64, context=16)
+    assert small.pass_ms == [] and small.pool.free_slots() == 100
+
+
 def test_padding_everywhere_keeps_greedy_output(tiny_pair, tiny_models):
     target, draft = tiny_models
     padded = CausalLM(str(tiny_pair[0]))

@@ -204,7 +204,7 @@ async def test_each_verdict_carries_the_workers_seconds_per_position(stack, tiny
                 verdict = (await call.read()).verdict
                 assert verdict.accepted == k
                 done += k + 1
-                assert verdict.position_seconds == pytest.approx(price.beta, rel=1e-6)
+                assert verdict.position_seconds == pytest.approx(price.position_seconds(1, 1), rel=1e-6)
                 assert 0.5 < verdict.position_seconds < 1.5
             await call.done_writing()
     finally:

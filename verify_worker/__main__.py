@@ -58,6 +58,7 @@ async def main(args: argparse.Namespace) -> None:
                          packed_gemm=args.packed_gemm)
         if args.calibrate:
             model.calibrate(args.max_proposal + 1)
+            model.calibrate_passes(args.max_batch_tokens)     # the speculation price's cost curve
         return model
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)

@@ -3,40 +3,45 @@
 Adding a position to a pass lengthens it by the marginal seconds per position (beta), and during
 that time the worker would have produced beta * R tokens, R being what a second of forward passes
 is worth in tokens. So a proposed position pays off only if it is accepted with probability above
-beta * R (the draft worker's controller applies this). beta comes from a least-squares fit of pass
-time against the pass's round tokens and its prefill tokens (prefill runs cheaper per token, and
-would drag a one-variable slope down), over recent passes so that it describes the sizes the worker
-runs now.
+beta * R (the draft worker's controller applies this). beta comes from the pass-time curve the
+worker measured at start-up (below), or without one from a least-squares fit of pass time against
+the pass's round tokens and its prefill tokens (prefill runs cheaper per token, and would drag a
+one-variable slope down) over recent passes.
 
 R is the larger of two rates. The tokens the worker gave out per second of forward passes (pass
 time, not wall time: idle time is worth nothing). And what plain decoding of the same sessions
-would give: S tokens per pass of S positions, S / (alpha + beta * S) from the same fit. The second
+would give: S tokens per pass of S positions. The second
 is the floor because the first describes the current passes: when proposals fill them with
 rejected positions the measured rate drops, and a price from it would invite the very speculation
 that slowed the worker down. Under load plain decoding is the opportunity cost of a pass-second.
 
-The price a verdict carries (`for_batch`) takes the plain rate for the size of the pass it came
-from. And the fit describes the passes the worker ran lately: when many sessions arrive at once
-after a quiet spell, the passes it knows held a few positions each, which on a CPU cost about the
-same however many there are (reading the weights takes the time), so beta is near 0. A pass of at
-least as many sessions as the start-up calibration fed positions (`floor_from`) is priced at no
-less than the slope the calibration measured at its longest inputs (`floor_beta`).
+The price a verdict carries (`for_batch`) is for the pass it came from: S sessions, P positions.
+With the start-up calibration's curve of pass time by size (`CausalLM.calibrate_passes`), beta is
+what one more position per session adds to a pass of P, (T(P + S) - T(P)) / S, and the plain rate
+S / T(S); the curve is scaled by how much slower or faster the passes run now than at start-up. On
+a CPU the curve bends (SmolLM2-135M: 86 ms for 16 positions, 205 for 64, 305 for 128), and a line
+fitted through the passes of the last minutes overrated a position's cost in a pass of 64 sessions
+by 1.6x: the controller priced proposals at 0.85 and decoded plainly, where proposing 2 positions
+after a 3-token n-gram match gives 1.3x the tokens per second. Without a curve (--no-calibrate) the
+fitted line serves.
 """
 
 from __future__ import annotations
 
 
 class TokenPrice:
-    def __init__(self, decay: float = 0.95, floor_beta: float = 0.0, floor_from: int = 0) -> None:
+    def __init__(self, decay: float = 0.95, curve: list[tuple[int, float]] | None = None) -> None:
+        """curve: (positions, milliseconds) of passes measured at start-up, at least 3 sizes."""
         self.decay = decay
-        self.floor_beta, self.floor_from = floor_beta, floor_from
+        self.curve = [(p, ms / 1000) for p, ms in curve] if curve and len(curve) >= 3 else None
+        self._seen = self._expected = 0.0   # decayed seconds of passes, and the curve's for them
         # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
         # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
         self._out = self._busy = 0.0        # decayed tokens given out and seconds of passes
-        self._sessions = self._passes = 0.0  # decayed sessions in passes (rounds) and passes
         self._pending = 0                   # tokens given out since the last pass was observed
+        self._last = (1, 1)                 # sessions and positions of the last pass
 
     def observe_pass(self, round_tokens: int, prefill_tokens: int, seconds: float, sessions: int = 0) -> None:
         """One pass: its round (not prefill) tokens, prefill tokens, seconds, and the sessions that
@@ -46,11 +51,13 @@ class TokenPrice:
             self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
+        if self.curve:
+            self._seen = self._seen * self.decay + seconds
+            self._expected = self._expected * self.decay + _interpolate(self.curve, round_tokens + prefill_tokens)
         self._out = self._out * self.decay + self._pending
         self._busy = self._busy * self.decay + seconds
-        self._sessions = self._sessions * self.decay + sessions
-        self._passes = self._passes * self.decay + 1
         self._pending = 0
+        self._last = (max(1, sessions), max(1, round_tokens + prefill_tokens))
 
     def observe_output(self, tokens: int) -> None:
         self._pending += tokens
@@ -70,59 +77,56 @@ class TokenPrice:
             solved.append(_det3(m) / det)
         return max(0.0, solved[0]), max(0.0, solved[1])
 
-    @property
-    def beta(self) -> float:
-        """Marginal seconds per round position (0 until passes of different sizes were seen)."""
-        fit = self._fit()
-        return fit[1] if fit else 0.0
+    @classmethod
+    def calibrated(cls, pass_ms: list[tuple[int, float]]) -> TokenPrice:
+        """A price on the start-up calibration's curve ((sessions of one position each, ms) per size)."""
+        return cls(curve=pass_ms)
 
     @property
     def rate(self) -> float:
         """Tokens given out per second of forward passes, lately."""
         return self._out / self._busy if self._busy > 0 else 0.0
 
-    @property
-    def plain_rate(self) -> float:
-        """Tokens per second of passes if every session of the recent passes decoded plainly."""
-        return self._plain_rate(self._fit())
+    def _costs(self, sessions: int, positions: int) -> tuple[float, float]:
+        """(seconds one more position per session adds to a pass of `sessions` and `positions`, per
+        position; tokens per second of passes if those sessions decoded plainly)."""
+        if self.curve:
+            scale = self._seen / self._expected if self._expected > 0 else 1.0
+            t = lambda p: scale * _interpolate(self.curve, p)        # noqa: E731
+            return (t(positions + sessions) - t(positions)) / sessions, sessions / t(sessions)
+        fit = self._fit()
+        if fit is None:
+            return 0.0, 0.0
+        alpha, beta = fit
+        return beta, sessions / (alpha + beta * sessions) if alpha + beta * sessions > 0 else 0.0
 
-    def _plain_rate(self, fit: tuple[float, float] | None) -> float:
-        if fit is None or not self._passes:
-            return 0.0
-        return _plain(*fit, self._sessions / self._passes)
+    def position_seconds(self, sessions: int, positions: int) -> float:
+        """What one more position adds to a pass of this size (0 until it is known)."""
+        return self._costs(max(1, sessions), max(1, positions))[0]
 
-    @classmethod
-    def calibrated(cls, forward_ms: list[float]) -> TokenPrice:
-        """A price floored by the slope of the start-up calibration's upper half (forward_ms[i]:
-        a pass of i + 1 new tokens); no floor without one."""
-        n = len(forward_ms)
-        if n < 4:
-            return cls()
-        half = n // 2
-        return cls(floor_beta=max(0.0, (forward_ms[-1] - forward_ms[half - 1]) / (n - half) / 1000), floor_from=n)
+    def for_batch(self, sessions: int, positions: int | None = None) -> float:
+        """The price a session pays in a pass of `sessions` and `positions` (default one each):
+        others' share of what a position costs (0 alone)."""
+        sessions = max(1, sessions)
+        beta, plain = self._costs(sessions, max(1, positions or sessions))
+        return min(1.0, beta * max(self.rate, plain)) * (1 - 1 / sessions)
 
     @property
     def value(self) -> float:
-        fit = self._fit()                       # solved once: value is read for every verdict
-        return min(1.0, (fit[1] if fit else 0.0) * max(self.rate, self._plain_rate(fit)))
-
-    def for_batch(self, sessions: int) -> float:
-        """The price a session pays in a pass of `sessions`: others' share of it (0 alone). The
-        plain rate is that of a pass of this many sessions, not of the recent passes' mean: when
-        64 sessions arrived after passes of a few, the mean priced their first rounds at 0.2 and
-        every one proposed 8 positions."""
-        fit = self._fit()
-        alpha, beta = fit if fit else (0.0, 0.0)
-        if self.floor_from and sessions >= self.floor_from:
-            beta = max(beta, self.floor_beta)
-        rate = max(self.rate, _plain(alpha, beta, sessions))
-        return min(1.0, beta * rate) * (1 - 1 / max(1, sessions))
+        """The price in a pass like the last one."""
+        return self.for_batch(*self._last)
 
 
-def _plain(alpha: float, beta: float, sessions: float) -> float:
-    """Tokens per second of passes in which `sessions` sessions decode plainly, by the fit."""
-    seconds = alpha + beta * sessions
-    return sessions / seconds if seconds > 0 else 0.0
+def _interpolate(curve: list[tuple[int, float]], x: float) -> float:
+    """The curve's seconds at x positions: straight between measured sizes, and on from the last
+    two beyond them (at least as long as the longest measured)."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = curve[-2], curve[-1]
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
 
 
 def _det3(m: list[list[float]]) -> float:

@@ -28,7 +28,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
-        self.price = TokenPrice.calibrated(engine.model.forward_ms)
+        self.price = TokenPrice.calibrated(engine.model.pass_ms)
         batcher.observers.append(lambda sessions, tokens, prefill, seconds:
                                  self.price.observe_pass(tokens, prefill, seconds, sessions))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
@@ -171,9 +171,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         yield pb.VerifyResponse(verdict=pb.Verdict(
                             accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                            token_cost=self.price.for_batch(ran.batch_size),
+                            token_cost=self.price.for_batch(ran.batch_size, ran.positions),
                             unverified=len(proposal.token_ids) + 1 - ran.fed,
-                            position_seconds=self.price.beta))
+                            position_seconds=self.price.position_seconds(ran.batch_size, ran.positions)))
                         if verdict.stop_reason != STOP_NONE:
                             return
                 else:
