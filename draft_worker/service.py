@@ -158,14 +158,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 pass
         except grpc.aio.AioRpcError as e:
             # Marked, so the gateway moves the session off that verify worker, not off this one.
-            await context.abort(e.code(), f"verify worker {request.verify_address}: {e.details()}",
-                                trailing_metadata=wire.FAILED_VERIFY)
+            await self._relay(context, request.verify_address, e.code(), e.details())
         except asyncio.InvalidStateError:
             # The verify stream ended (its worker died or stopped) while a proposal was being written.
             code = await call.code()
-            await context.abort(grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
-                                f"verify worker {request.verify_address}: {await call.details()}",
-                                trailing_metadata=wire.FAILED_VERIFY)
+            await self._relay(context, request.verify_address,
+                              grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code, await call.details())
         finally:
             self.sessions.pop(id(context), None)
             call.cancel()
@@ -174,6 +172,15 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     job.cancel()                 # its result is not needed; close runs after it
             if state is not None:
                 await self.inference.run(state.close)
+
+    @staticmethod
+    async def _relay(context, address: str, code: grpc.StatusCode, details: str) -> None:
+        """Ends the request with the verify worker's error, marked as the verify worker's. Its
+        address goes to the log, not into the message, which may reach a client."""
+        if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            log.warning("verify worker %s: %s: %s", address, code.name, details)
+        await context.abort(code, f"verify worker: {details}", trailing_metadata=wire.FAILED_VERIFY)
 
     async def _next_proposal(self, state, tokens: list[int], k: int, draft: Draft, verdict: pb.Verdict,
                              ahead: asyncio.Future | None) -> asyncio.Future:

@@ -201,9 +201,10 @@ class _Run:
                 router.failed(lost.address)
                 failed.add(lost.address)
                 if self.usage.migrations >= self.core.max_migrations:
+                    log.warning("session %s: %s; giving up", self.turn.session_id, lost.message)
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                       f"{lost.message}; gave up after {self.usage.migrations} migrations "
-                                       f"(the limit per request)") from None
+                                       f"the {lost.role} serving this request failed; gave up after "
+                                       f"{self.usage.migrations} migrations (the limit per request)") from None
                 self.usage.migrations += 1
                 metrics.MIGRATIONS.inc()
                 telemetry.event("migration", {"tandem.failed_worker": lost.address,
@@ -255,11 +256,11 @@ class _Run:
         except grpc.aio.AioRpcError as e:
             lost = _lost_worker(e, route)
             if lost is None:
-                raise _downstream_error(e, address) from None
-            raise _WorkerLost(lost, f"worker {lost} failed: {e.code().name}: {e.details()}") from None
+                raise _downstream_error(e, address, _role(address, route)) from None
+            raise _WorkerLost(lost, _role(lost, route), f"failed: {e.code().name}: {e.details()}") from None
         finally:
             call.cancel()
-        raise _WorkerLost(address, f"worker {address} ended the stream early")
+        raise _WorkerLost(address, _role(address, route), "ended the stream early")
 
     def _take(self, chunk: ipb.TokenChunk, address: str) -> Delta | None:
         u = self.usage
@@ -271,8 +272,8 @@ class _Run:
         text = self.detok.add(list(chunk.token_ids))
         if chunk.stop_reason:
             if chunk.stop_reason not in _STOP_TO_FINISH:
-                raise GatewayError(grpc.StatusCode.INTERNAL,
-                                   f"worker {address} sent unknown stop reason {chunk.stop_reason}")
+                log.error("worker %s sent unknown stop reason %d", address, chunk.stop_reason)
+                raise GatewayError(grpc.StatusCode.INTERNAL, f"a worker sent unknown stop reason {chunk.stop_reason}")
             text += self.detok.flush()
         text = self.stops.feed(text)
         if self.stops.matched is not None:
@@ -297,9 +298,10 @@ async def _drain(call, timeout: float = 1.0) -> None:
 
 
 class _WorkerLost(Exception):
-    def __init__(self, address: str, message: str) -> None:
-        super().__init__(message)
-        self.address, self.message = address, message
+    def __init__(self, address: str, role: str, what: str) -> None:
+        self.message = f"{role} {address} {what}"       # for the log; clients hear the role only
+        super().__init__(self.message)
+        self.address, self.role = address, role
 
 
 # How a stream ends when its worker died or stopped under it: UNAVAILABLE (connection lost),
@@ -320,12 +322,18 @@ def _lost_worker(e: grpc.aio.AioRpcError, route: Route) -> str | None:
     return route.verify if trailers.get(wire.FAILED_HOP) == "verify" else route.draft
 
 
-def _downstream_error(e: grpc.aio.AioRpcError, address: str) -> GatewayError:
+def _role(address: str, route: Route) -> str:
+    return "draft worker" if address == route.draft else "verify worker"
+
+
+def _downstream_error(e: grpc.aio.AioRpcError, address: str, role: str) -> GatewayError:
+    """The client's error for a worker's: a worker's own answer (a bad request, no room, the
+    deadline) passes on; a failure names the kind of worker, not its address, which stays in the
+    log (so do gRPC's connection details, which name addresses too)."""
     code = e.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return GatewayError(code, f"worker {address} is unavailable: {e.details()}")
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.FAILED_PRECONDITION):
         return GatewayError(code, e.details() or code.name)
-    return GatewayError(grpc.StatusCode.INTERNAL, f"worker {address} failed: {code.name}: {e.details()}")
+    log.warning("%s %s failed: %s: %s", role, address, code.name, e.details())
+    return GatewayError(grpc.StatusCode.INTERNAL, f"the {role} failed ({code.name})")
