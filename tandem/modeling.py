@@ -161,15 +161,17 @@ class CausalLM:
         log.info("forward ms by new tokens: %s; padded: %s",
                  {n: round(1000 * t, 1) for n, t in times.items()}, self.padded_length or "none")
 
-    def calibrate_passes(self, max_sessions: int, context: int = 64, repeats: int = 2,
-                         budget_s: float = 4.0) -> None:
+    def calibrate_passes(self, max_sessions: int, context: int = 64, repeats: int = 3,
+                         budget_s: float = 6.0) -> None:
         """Measures a batched pass of S sessions feeding one token each, S = 1, 2, 4, ... up to
         max_sessions, into `pass_ms` [(S, ms)]: what a pass costs by its size, which one session's
         longer inputs (`calibrate`) do not tell. On a CPU the curve bends: up to a few dozen
         positions a pass costs about the same however many (reading the weights takes the time),
         beyond that each position adds its arithmetic (SmolLM2-135M here: 86 ms for 16 positions,
-        205 for 64, 305 for 128). Sizes stop where the pool has no room or the passes so far took
-        `budget_s`; each size's fastest of `repeats` runs is kept."""
+        205 for 64, 305 for 128). The sizes are measured in turn, `repeats` times, keeping each
+        one's fastest run (a burst of load from elsewhere during one size had made a 32-session
+        pass look 1.5x its cost); sizes stop where the pool has no room or the first turn took its
+        share of `budget_s`."""
         context = min(context, self.max_context - 2)
         sessions = min(max_sessions, self.pool.free_slots() // (2 * (context + 2)))
         self.pass_ms = []
@@ -182,23 +184,27 @@ class CausalLM:
             cache = self.new_cache(context + 2)
             cache.copy_prefix(donor, context)
             caches.append(cache)
+
+        def one_pass(size: int) -> float:
+            start = time.perf_counter()
+            self.forward_batch([(c, [1], None) for c in caches[:size]])
+            took = time.perf_counter() - start
+            for c in caches[:size]:
+                c.crop(context)
+            return took
+
+        one_pass(2)                                                          # warm-up
+        best: dict[int, float] = {}
         spent, size = 0.0, 1
-        self.forward_batch([(c, [1], None) for c in caches[:2]])           # warm-up
-        for c in caches[:2]:
-            c.crop(context)
-        while size <= sessions and spent < budget_s:
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                self.forward_batch([(c, [1], None) for c in caches[:size]])
-                took = time.perf_counter() - start
-                best, spent = min(best, took), spent + took
-                for c in caches[:size]:
-                    c.crop(context)
-            self.pass_ms.append((size, 1000 * best))
-            size *= 2
+        while size <= sessions and spent < budget_s / repeats:
+            best[size] = one_pass(size)
+            spent, size = spent + best[size], size * 2
+        for _ in range(repeats - 1):
+            for size in best:
+                best[size] = min(best[size], one_pass(size))
         for c in (donor, *caches):
             c.release()
+        self.pass_ms = [(size, 1000 * seconds) for size, seconds in best.items()]
         log.info("forward ms by sessions in a pass: %s", {s: round(ms, 1) for s, ms in self.pass_ms})
 
 

@@ -215,22 +215,24 @@ CURVE = [(1, 50.0), (2, 50.0), (4, 53.0), (8, 60.0), (16, 86.0), (32, 111.0), (6
 
 def test_with_a_calibrated_curve_a_position_costs_what_it_adds_to_a_pass_of_that_size():
     """On a CPU the pass time bends: a line through passes of 16 to 64 positions would price a
-    position in a pass of 64 at 2.5 ms, the curve at 1.6 ms (205 -> 305 ms for 64 more). The price
-    is the share of a plain pass's time that one more position per session adds; passes running
-    slower than at start-up scale the seconds, not the price."""
+    position in a pass of 64 at 2.5 ms, the curve at 1.6 ms (205 -> 305 ms for 64 more, and on at
+    that slope). A position's seconds are the mean over 4 more per session; the price is that times
+    the plain rate, S / T(S). Passes running slower than at start-up scale the seconds, not the price."""
     from verify_worker.price import TokenPrice
     price = TokenPrice.calibrated(CURVE)
-    assert price.for_batch(64) == pytest.approx((305 - 205) / 205 * 63 / 64)
-    assert price.position_seconds(64, 64) == pytest.approx(0.1 / 64)
-    assert price.for_batch(4) == pytest.approx((60 - 53) / 53 * 3 / 4)      # small passes: cheap
-    assert price.for_batch(1) == 0.0                                         # alone: no one else pays
-    # 64 sessions proposing 2 each (192 positions): the line beyond 128 goes on at its last slope
-    assert price.for_batch(64, 192) == pytest.approx((100 / 64) * (64 / 0.205) / 1000 * 63 / 64)
+    beyond = (305 - 205) / 64 / 1000                                         # s per position past 128
+    assert price.position_seconds(64, 64) == pytest.approx(beyond)
+    assert price.for_batch(64) == pytest.approx(beyond * 64 / 0.205 * 63 / 64)
+    assert price.for_batch(64, 192) == pytest.approx(price.for_batch(64))    # 64 proposing 2 each
+    assert price.for_batch(64, 20) == price.for_batch(64)       # a pass of fewer: priced as 64 plain
+    at_80 = 0.205 + 16 * beyond                                              # 16 sessions + 4 each
+    assert price.for_batch(16) == pytest.approx((at_80 - 0.086) / 64 * 16 / 0.086 * 15 / 16)
+    assert price.for_batch(4) < 0.2 and price.for_batch(1) == 0.0           # small passes cheap; alone free
     for _ in range(20):
         price.observe_output(64)
         price.observe_pass(64, 0, 1.5 * 0.205, 64)
-    assert price.position_seconds(64, 64) == pytest.approx(1.5 * 0.1 / 64, rel=1e-6)
-    assert price.for_batch(64) == pytest.approx((305 - 205) / 205 * 63 / 64, rel=1e-6)
+    assert price.position_seconds(64, 64) == pytest.approx(1.5 * beyond, rel=1e-6)
+    assert price.for_batch(64) == pytest.approx(beyond * 64 / 0.205 * 63 / 64, rel=1e-6)
     # an n-gram proposal after a 3-token match (84% accepted at its first position) pays in a pass of 64
     measured = Survival(decay=1.0)
     for accepted, proposals in ((0, 16), (1, 12), (2, 11), (3, 61)):

@@ -17,8 +17,9 @@ that slowed the worker down. Under load plain decoding is the opportunity cost o
 
 The price a verdict carries (`for_batch`) is for the pass it came from: S sessions, P positions.
 With the start-up calibration's curve of pass time by size (`CausalLM.calibrate_passes`), beta is
-what one more position per session adds to a pass of P, (T(P + S) - T(P)) / S, and the plain rate
-S / T(S); the curve is scaled by how much slower or faster the passes run now than at start-up. On
+what a few more positions per session add to a pass of P, per position, (T(P + 4S) - T(P)) / 4S,
+and the plain rate S / T(S); the curve is scaled by how much slower or faster the passes run now
+than at start-up. On
 a CPU the curve bends (SmolLM2-135M: 86 ms for 16 positions, 205 for 64, 305 for 128), and a line
 fitted through the passes of the last minutes overrated a position's cost in a pass of 64 sessions
 by 1.6x: the controller priced proposals at 0.85 and decoded plainly, where proposing 2 positions
@@ -27,6 +28,13 @@ fitted line serves.
 """
 
 from __future__ import annotations
+
+
+# A position's cost is the mean over this many more positions per session: proposals run to a few
+# positions, and the curve's local slope swings with its knee and its noise (at 16 sessions, 1.6 ms
+# between 16 and 32 positions, 3.8 ms between 32 and 64, 1.8 ms beyond), so that a one-position
+# slope moved the price between 0.25 and 0.7 from pass to pass.
+SPAN = 4
 
 
 class TokenPrice:
@@ -88,12 +96,13 @@ class TokenPrice:
         return self._out / self._busy if self._busy > 0 else 0.0
 
     def _costs(self, sessions: int, positions: int) -> tuple[float, float]:
-        """(seconds one more position per session adds to a pass of `sessions` and `positions`, per
-        position; tokens per second of passes if those sessions decoded plainly)."""
+        """(seconds per position that a few more positions per session add to a pass of `sessions`
+        and `positions`; tokens per second of passes if those sessions decoded plainly)."""
         if self.curve:
             scale = self._seen / self._expected if self._expected > 0 else 1.0
             t = lambda p: scale * _interpolate(self.curve, p)        # noqa: E731
-            return (t(positions + sessions) - t(positions)) / sessions, sessions / t(sessions)
+            added = SPAN * sessions
+            return (t(positions + added) - t(positions)) / added, sessions / t(sessions)
         fit = self._fit()
         if fit is None:
             return 0.0, 0.0
@@ -101,14 +110,17 @@ class TokenPrice:
         return beta, sessions / (alpha + beta * sessions) if alpha + beta * sessions > 0 else 0.0
 
     def position_seconds(self, sessions: int, positions: int) -> float:
-        """What one more position adds to a pass of this size (0 until it is known)."""
+        """What a position adds to a pass of this size (0 until it is known)."""
         return self._costs(max(1, sessions), max(1, positions))[0]
 
-    def for_batch(self, sessions: int, positions: int | None = None) -> float:
-        """The price a session pays in a pass of `sessions` and `positions` (default one each):
-        others' share of what a position costs (0 alone)."""
+    def for_batch(self, sessions: int, positions: int = 0) -> float:
+        """The price a session pays in a pass of `sessions` and `positions` (at least one each):
+        others' share of what a position costs (0 alone). The verify worker passes the sessions it
+        serves when more than the pass held: as 64 streams started, the first verdicts came from
+        passes of a few sessions each, were priced for those, and every session's first proposal ran
+        7-8 positions (passes of 64 sessions and 500 positions, 1.6 s each, for 10 s)."""
         sessions = max(1, sessions)
-        beta, plain = self._costs(sessions, max(1, positions or sessions))
+        beta, plain = self._costs(sessions, max(sessions, positions))
         return min(1.0, beta * max(self.rate, plain)) * (1 - 1 / sessions)
 
     @property

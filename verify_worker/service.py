@@ -171,7 +171,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         yield pb.VerifyResponse(verdict=pb.Verdict(
                             accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                            token_cost=self.price.for_batch(ran.batch_size, ran.positions),
+                            token_cost=self.price.for_batch(max(ran.batch_size, len(self.sessions)), ran.positions),
                             unverified=len(proposal.token_ids) + 1 - ran.fed,
                             position_seconds=self.price.position_seconds(ran.batch_size, ran.positions)))
                         if verdict.stop_reason != STOP_NONE:
