@@ -157,7 +157,10 @@ class SpeculationController:
             # streams probes were a third of all proposed positions, each accepted less often than
             # its price.
         if worth == 0:
-            self._back_off()
+            # The price says so, and a new price comes with every verdict: a short plain run, not
+            # one twice as long as the last. Doubling here once ended speculation for the rest of
+            # a request after a few expensive passes (runs of 16, 32, 64 plain rounds at 16 streams).
+            self.plain_rounds_left = self.min_backoff
         return worth
 
     def fit(self, proposed: int, kind=None) -> int:
@@ -178,6 +181,8 @@ class SpeculationController:
         return run
 
     def _back_off(self) -> None:
+        """Plain rounds after a speculative round that lost to plain decoding, ever more of them while
+        speculation keeps losing."""
         self.plain_rounds_left = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)
 

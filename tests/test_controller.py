@@ -140,6 +140,28 @@ def test_a_busy_worker_gets_no_probes_a_drafts_record_cannot_justify():
     assert chosen == [0] * 40                 # 0.9: not even a probe, however long the wait
 
 
+def test_after_a_spell_of_high_prices_speculation_is_back_within_a_short_plain_run():
+    """No position pays a price of 1.0, so the controller decodes plainly; when the price falls it
+    speculates again within one short plain run, however long the spell was (a price is sent with
+    every verdict: there is nothing to wait out, unlike a draft that lost)."""
+    c = started(PLAIN_MS, backoff=4, max_backoff=64)
+    for _ in range(20):
+        c.observe(2, 3, 0.5, accepted=2, price=0.0)          # a draft that is always accepted
+    rounds, first = 0, None
+    while first is None and rounds < 200:
+        price = 1.0 if rounds < 40 else 0.2
+        k = c.choose(2)
+        if k:
+            first = rounds if rounds >= 40 else None
+            c.observe(k, k + 1, 0.5, accepted=k, price=price)
+            rounds += 1
+            continue
+        for _ in range(c.plain_run()):
+            c.observe(0, 1, 0.5, price=1.0 if rounds < 40 else 0.2)   # each verdict's price
+            rounds += 1
+    assert first is not None and first - 40 <= 5
+
+
 def test_a_draft_never_measured_is_probed_not_sent_whole_into_a_busy_worker():
     """Positions not seen yet count as accepted half the time, the next ones as the first's rate
     to the power j: under a low price a new session proposes a few, under a high one it backs off
