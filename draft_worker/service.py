@@ -177,8 +177,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     async def _relay(context, address: str, code: grpc.StatusCode, details: str) -> None:
         """Ends the request with the verify worker's error, marked as the verify worker's. Its
         address goes to the log, not into the message, which may reach a client."""
-        if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        if code not in wire.ANSWERS:
             log.warning("verify worker %s: %s: %s", address, code.name, details)
         await context.abort(code, f"verify worker: {details}", trailing_metadata=wire.FAILED_VERIFY)
 

@@ -331,9 +331,7 @@ def _downstream_error(e: grpc.aio.AioRpcError, address: str, role: str) -> Gatew
     deadline) passes on; a failure names the kind of worker, not its address, which stays in the
     log (so do gRPC's connection details, which name addresses too)."""
     code = e.code()
-    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.FAILED_PRECONDITION):
+    if code in wire.ANSWERS:
         return GatewayError(code, e.details() or code.name)
     log.warning("%s %s failed: %s: %s", role, address, code.name, e.details())
     return GatewayError(grpc.StatusCode.INTERNAL, f"the {role} failed ({code.name})")

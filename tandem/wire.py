@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import numpy as np
 import torch
 
@@ -14,6 +15,11 @@ from tandem.v1 import internal_pb2 as pb
 # verify worker, not the draft worker, for the failure.
 FAILED_HOP = "x-tandem-failed-hop"
 FAILED_VERIFY = ((FAILED_HOP, "verify"),)
+
+# A worker's deliberate answers (a bad request, no room, the deadline): they pass on to the client
+# as they are and are no failure to log.
+ANSWERS = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT,
+                     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
 
 
 def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:

@@ -241,7 +241,7 @@ def test_with_a_calibrated_curve_a_position_costs_what_it_adds_to_a_pass_of_that
     that slope). A position's seconds are the mean over 4 more per session; the price is that times
     the plain rate, S / T(S). Passes running slower than at start-up scale the seconds, not the price."""
     from verify_worker.price import TokenPrice
-    price = TokenPrice.calibrated(CURVE)
+    price = TokenPrice(curve=CURVE)
     beyond = (305 - 205) / 64 / 1000                                         # s per position past 128
     assert price.position_seconds(64, 64) == pytest.approx(beyond)
     assert price.for_batch(64) == pytest.approx(beyond * 64 / 0.205 * 63 / 64)
@@ -261,7 +261,7 @@ def test_with_a_calibrated_curve_a_position_costs_what_it_adds_to_a_pass_of_that
         for _ in range(proposals):
             measured.add(3, accepted)
     assert measured.worth(3, price.for_batch(64)) == 3
-    assert TokenPrice.calibrated([]).curve is None
+    assert TokenPrice(curve=[]).curve is None
 
 
 def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():

@@ -39,7 +39,8 @@ SPAN = 4
 
 class TokenPrice:
     def __init__(self, decay: float = 0.95, curve: list[tuple[int, float]] | None = None) -> None:
-        """curve: (positions, milliseconds) of passes measured at start-up, at least 3 sizes."""
+        """curve: (positions, milliseconds) of passes measured at start-up (`CausalLM.pass_ms`: S
+        sessions of one position each), at least 3 sizes; without one the fitted line serves."""
         self.decay = decay
         self.curve = [(p, ms / 1000) for p, ms in curve] if curve and len(curve) >= 3 else None
         self._seen = self._expected = 0.0   # decayed seconds of passes, and the curve's for them
@@ -84,11 +85,6 @@ class TokenPrice:
             m = [[self._xy[i] if j == col else a[i][j] for j in range(3)] for i in range(3)]
             solved.append(_det3(m) / det)
         return max(0.0, solved[0]), max(0.0, solved[1])
-
-    @classmethod
-    def calibrated(cls, pass_ms: list[tuple[int, float]]) -> TokenPrice:
-        """A price on the start-up calibration's curve ((sessions of one position each, ms) per size)."""
-        return cls(curve=pass_ms)
 
     @property
     def rate(self) -> float:

@@ -28,7 +28,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
-        self.price = TokenPrice.calibrated(engine.model.pass_ms)
+        self.price = TokenPrice(curve=engine.model.pass_ms)
         batcher.observers.append(lambda sessions, tokens, prefill, seconds:
                                  self.price.observe_pass(tokens, prefill, seconds, sessions))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
