@@ -24,6 +24,8 @@ Figures per level and mode:
   fewer and fewer are busy; tokens over the whole level's wall time (first request sent to last
   stream done, or the cut) are in the JSON as level_tok_s. With --requests-per-stream there is no
   window and tokens/s is the whole level's. Its ratio spec/off and to the pair's 1-stream level.
+- spec/off by run pair: the ratio of each spec run to the off run next to it in time (spec off,
+  off spec, ...); the spread shows how far the host's drift moves the pooled ratio.
 - TTFT: request sent to the first message that carries tokens (token_count > 0). A request cut
   before its first token has none, so TTFT percentiles of a cut level are low; see cut_waiting.
 - ITL, per token: each later token-carrying message gives gap-since-the-previous-one / its
@@ -413,6 +415,10 @@ def run_pair(pair: str, levels: list[int], a) -> list[dict]:
         r.update(target=target, draft=draft)
         off, one = by.get((r["streams"], "off")), by.get((1, r["mode"]))
         r["spec_over_off"] = r["tok_s"] / off["tok_s"] if r["mode"] == "spec" and off and off["tok_s"] else None
+        # run i of each mode ran next to the other's run i: a slow spell of the host hits both of a pair
+        r["spec_over_off_by_run"] = ([s / o if s is not None and o else None
+                                      for s, o in zip(r["run_tok_s"], off["run_tok_s"])]
+                                     if r["mode"] == "spec" and off else None)
         r["over_1_stream"] = r["tok_s"] / one["tok_s"] if one and one["tok_s"] else None
     return rows
 
@@ -425,7 +431,8 @@ PROCESSES = ("client", "gateway", "draft_worker", "verify_worker")
 
 
 def table(rows: list[dict]) -> str:
-    columns = ["pair", "streams", "mode", "tokens/s", "spec/off", "vs 1 stream", "done", "cut", "errors",
+    columns = ["pair", "streams", "mode", "tokens/s", "spec/off", "spec/off by run pair", "vs 1 stream",
+               "done", "cut", "errors",
                "TTFT p50 / p99 s", "ITL p50 / p99 ms", "acceptance", "prompt cached", "sessions / pass",
                "verify busy", "CPU cores: client / gateway / draft / verify",
                "KV peak / budget", "verify queue peak", "admission peak", "verify RSS MiB"]
@@ -433,7 +440,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
         out.append(f"| {r['pair']} | {r['streams']} | {r['mode']} ({r['method']}) | {r['tok_s']:.2f} "
-                   f"| {fmt(r['spec_over_off'], suffix='x')} | {fmt(r['over_1_stream'], suffix='x')} "
+                   f"| {fmt(r['spec_over_off'], suffix='x')} "
+                   f"| {', '.join(fmt(x, suffix='x') for x in r['spec_over_off_by_run'] or []) or '-'} "
+                   f"| {fmt(r['over_1_stream'], suffix='x')} "
                    f"| {r['completed']} | {r['cut']} | {errors} | {fmt(r['ttft_p50_s'])} / {fmt(r['ttft_p99_s'])} "
                    f"| {fmt(r['itl_p50_s'], '.1f', 1000)} / {fmt(r['itl_p99_s'], '.1f', 1000)} "
                    f"| {fmt(r['acceptance'], '.0%')} | {fmt(r['cached_prompt_share'], '.0%')} "

@@ -54,7 +54,7 @@ def main() -> None:
     news = sorted({int(x) for x in a.new.split(",")} | {1})
     accept = [float(x) for x in a.accept.split(",")]
 
-    lm = CausalLM(a.model, threads=a.threads or None, kv_tokens=max(sessions) * (a.context + max(news) + 8) + 64)
+    lm = CausalLM(a.model, threads=a.threads or None, kv_tokens=(max(sessions) + 1) * (a.context + max(news) + 8) + 64)
     rng = random.Random(0)
     words = lambda n: [rng.randrange(1000, lm.vocab_size - 1000) for _ in range(n)]   # noqa: E731
     shared = words(a.shared)
