@@ -138,7 +138,8 @@ class RedisRouter(Router):
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
         # even before the one holding the session's cache; if none has room, the least loaded one
         # answers for itself (RESOURCE_EXHAUSTED if it is still full).
-        usable = [w for w in usable if not w.capacity or w.kv_free - self.reserved[w.address] >= need] or usable
+        usable = [w for w in usable
+                  if not w.capacity or w.kv_free - self.reserved[w.address] >= need + w.kv_margin] or usable
         for w in usable:
             if w.address == affinity:
                 return w.address

@@ -34,8 +34,12 @@ class WorkerInfo:
     capacity: int = 0                # KV budget in tokens (0 = not budgeted)
     load: int = 0                    # sessions being served right now
     kv_free: int = 0                 # budget tokens not held by live sessions
+    kv_margin: int = 0               # what a session reserves beyond its prompt and new tokens (a proposal's room)
     started_at: float = 0.0          # a restarted worker at the same address has a new value
     heartbeat_at: float = 0.0
+
+
+_FIELDS = set(WorkerInfo.__dataclass_fields__)
 
 
 def _key(pool: str, address: str) -> str:
@@ -74,7 +78,9 @@ class Registry:
             if value is None:
                 gone.append(address)
             else:
-                live.append(WorkerInfo(**json.loads(value)))
+                # Fields a newer worker added are skipped, so a gateway can be upgraded after its workers.
+                fields = json.loads(value)
+                live.append(WorkerInfo(**{k: v for k, v in fields.items() if k in _FIELDS}))
         if gone:
             await self.client.srem(_index(pool), *gone)
         return live

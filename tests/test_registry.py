@@ -1,12 +1,14 @@
 """The Redis registry and session store against a real, private redis-server; the KV keeper alone."""
 
 import asyncio
+import json
 
 import pytest
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
 from tandem.kvpool import KVPool, SessionCache
 from tandem.redis_conn import RedisServer, check_url, connect, redacted
+from tandem import registry
 from tandem.registry import DRAFT, VERIFY, Heartbeat, Registry, WorkerInfo
 from tandem.sampling import SamplingParams
 from tandem.sessions import SessionRecord, SessionStore
@@ -171,6 +173,28 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(client):
     assert await router.pick_draft("model", set()) is None
     with pytest.raises(RoutingError, match="no verify worker for model 'none'"):
         await RedisRouter(reg, "none", "redis://test").pick_verify("", set())
+
+
+async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
+    from gateway.routing import RedisRouter
+    reg = Registry(client)
+    router = RedisRouter(reg, "m", "redis://test")
+    # 110 free fits a 100-token request only without the 17 positions that worker keeps for a proposal
+    await reg.register(WorkerInfo("tight:1", VERIFY, "m", capacity=300, load=0, kv_free=110, kv_margin=17), ttl=5)
+    await reg.register(WorkerInfo("room:1", VERIFY, "m", capacity=300, load=3, kv_free=120, kv_margin=17), ttl=5)
+    assert await router.pick_verify("tight:1", set(), need=100) == "room:1"
+    assert await router.pick_verify("tight:1", set(), need=90) == "tight:1"
+
+
+async def test_registry_skips_fields_it_does_not_know(client):
+    """A worker of a newer release may register fields this gateway's WorkerInfo lacks."""
+    reg = Registry(client)
+    await reg.register(WorkerInfo("new:1", VERIFY, "m", capacity=300), ttl=5)
+    key = registry._key(VERIFY, "new:1")
+    record = json.loads(await client.get(key))
+    await client.set(key, json.dumps({**record, "some_later_field": [1, 2]}), px=5000)
+    [info] = await reg.workers(VERIFY)
+    assert (info.address, info.capacity) == ("new:1", 300)
 
 
 async def test_router_counts_its_own_reservations_before_the_next_heartbeat(client):

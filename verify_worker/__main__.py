@@ -76,7 +76,8 @@ async def main(args: argparse.Namespace) -> None:
 
     def describe() -> WorkerInfo:
         return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
-                          load=len(servicer.sessions), kv_free=servicer.keeper.free(), started_at=started)
+                          load=len(servicer.sessions), kv_free=servicer.keeper.free(),
+                          kv_margin=engine.max_proposal + 1, started_at=started)
 
     heartbeat = heartbeat_for(args, describe)
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
