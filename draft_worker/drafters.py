@@ -17,7 +17,7 @@ import torch
 
 from tandem.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix
 from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
+from tandem.sampling import SamplingParams, make_generator, probabilities, process
 
 # A sampled draft distribution is cut to its most likely tokens before sampling from it, so
 # the wire carries at most this many (id, prob) pairs per position. Lossless all the same: the
@@ -166,8 +166,8 @@ class _Proposal:
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
         st.cached.extend(self.feed)
-        generated = len(self.context) - st.prompt_len + len(self.tokens)
-        logits = suppress_eos(logits, st.eos_ids, generated, st.params.min_new_tokens)   # [1, V]
+        # the same history stages as the target's row for this position: context + tokens so far
+        logits = process(logits, [*self.context, *self.tokens], st.prompt_len, st.params, st.eos_ids)  # [1, V]
         if st.params.greedy:
             token = int(logits[0].argmax())
             q_token = float(torch.softmax(logits[0], dim=-1)[token]) if st.confidence else 1.0

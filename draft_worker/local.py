@@ -7,7 +7,7 @@ from draft_worker.drafters import Drafter
 from draft_worker.service import plan_k
 from tandem import wire
 from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams, make_generator, probabilities, sample, suppress_eos
+from tandem.sampling import SamplingParams, choose, make_generator, process
 from verify_worker.engine import STOP_NONE, VerifyEngine
 
 
@@ -40,8 +40,7 @@ def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> lis
     logits = model.forward(prompt, cache, last=1)
     out: list[int] = []
     while True:
-        logits = suppress_eos(logits, model.eos_ids, len(out), params.min_new_tokens)
-        t = int(logits[0].argmax()) if params.greedy else sample(probabilities(logits, params)[0], g)
+        t = choose(process(logits, [*prompt, *out], len(prompt), params, model.eos_ids), params, g)
         if t in model.eos_ids:
             return out
         out.append(t)

@@ -87,6 +87,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
             tokens = list(prompt)
             cached = opened.cached_tokens        # reported once, on the first chunk
+            prompt_reports = opened.prompt_logprobs
             # Greedy only: a sampled request's output must not depend on measured timings, so that
             # its seed reproduces it on any worker.
             adaptive = self.adaptive_k and params.greedy
@@ -140,8 +141,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 tokens.extend(verdict.token_ids)
                 chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked,
                                       accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
-                                      cached_tokens=cached)
-                cached = 0
+                                      cached_tokens=cached, logprobs=verdict.logprobs,
+                                      prompt_logprobs=prompt_reports)
+                cached, prompt_reports = 0, ()
                 if verdict.stop_reason:
                     yield chunk
                     break

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
@@ -53,10 +53,23 @@ class Usage:
         return self.generated_tokens / self.verify_rounds if self.verify_rounds else 0.0
 
 
+@dataclass(frozen=True)
+class TokenReport:
+    """One token as a client sees it: id, text as the tokenizer decodes it alone, and what the
+    target's raw distribution said of it when the request asked (tandem/logprobs.py)."""
+    token_id: int
+    text: str
+    logprob: float | None = None        # None: not asked, or the first prompt token (nothing before it)
+    rank: int = 0
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
 @dataclass
 class Delta:
     text: str
     token_count: int
+    tokens: list[TokenReport] = field(default_factory=list)   # when the request asked for token details
+    prompt_tokens: list[TokenReport] | None = None            # first delta only, when asked
 
 
 @dataclass
@@ -78,6 +91,20 @@ class GenerationCore:
         self.conversations = conversations or Conversations(None)
         self.max_migrations = max_migrations
         self.trace_content = trace_content      # prompt and completion text on request spans
+        self._texts: dict[int, str] = {}         # token id -> its text alone, bounded by the vocabulary
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def token_reports(self, ids, reports) -> list[TokenReport]:
+        """ids with their logprob reports (None: ids and text only)."""
+        if reports is None:
+            return [TokenReport(int(t), self.token_text(int(t))) for t in ids]
+        return [TokenReport(r.token_id, self.token_text(r.token_id), r.logprob, r.rank,
+                            tuple((t, self.token_text(t), lp) for t, lp in r.top)) for r in reports]
 
     def observer(self, api: str):
         """A RequestObserver for one generation through the public API `api`."""
@@ -168,6 +195,7 @@ class _Run:
         self.detok = IncrementalDetokenizer(core.tokenizer, turn.prompt_ids)
         self.stops = StopMatcher(req.stop_sequences)
         self.delivered: list[int] = []          # tokens handed to the client so far, in order
+        self.prompt_reported = not req.prompt_details
         self.finish = ""
         self.route = Route("", None, "none")
 
@@ -224,7 +252,8 @@ class _Run:
         route, req = self.route, self.req
         done = len(self.delivered)
         params = replace(req.params, max_new_tokens=req.params.max_new_tokens - done,
-                         min_new_tokens=max(0, req.params.min_new_tokens - done))
+                         min_new_tokens=max(0, req.params.min_new_tokens - done), resumed=done,
+                         prompt_logprobs=req.params.prompt_logprobs and not self.prompt_reported)
         prompt = [*self.turn.prompt_ids, *self.delivered]
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         sampling = wire.params_to_proto(params)
@@ -268,6 +297,7 @@ class _Run:
         u.draft_tokens += chunk.draft_tokens
         u.accepted_tokens += chunk.accepted_tokens
         u.verify_rounds += 1
+        details, prompt_details = self._reports(chunk, address)
         self.delivered.extend(chunk.token_ids)
         text = self.detok.add(list(chunk.token_ids))
         if chunk.stop_reason:
@@ -282,7 +312,27 @@ class _Run:
         elif chunk.stop_reason:
             self.finish = _STOP_TO_FINISH[chunk.stop_reason]
             text += self.stops.flush()
-        return Delta(text, len(chunk.token_ids)) if text or chunk.token_ids else None
+        if not (text or chunk.token_ids or prompt_details):
+            return None
+        return Delta(text, len(chunk.token_ids), details, prompt_details)
+
+    def _reports(self, chunk: ipb.TokenChunk, address: str) -> tuple[list[TokenReport], list[TokenReport] | None]:
+        """The chunk's token details and, the first time, the prompt's, as the request asked."""
+        core, params = self.core, self.req.params
+        try:
+            reports = wire.logprobs_from_proto(chunk.token_ids, chunk.logprobs) if params.reports else None
+            details = core.token_reports(chunk.token_ids, reports) if self.req.token_details else []
+            prompt = None
+            if not self.prompt_reported:
+                ids = self.turn.prompt_ids        # never empty; its first token has nothing before it
+                rest = (wire.logprobs_from_proto(ids[1:], chunk.prompt_logprobs) if params.prompt_logprobs
+                        else None)
+                prompt = [TokenReport(ids[0], core.token_text(ids[0])), *core.token_reports(ids[1:], rest)]
+                self.prompt_reported = True
+        except ValueError as e:
+            log.error("worker %s sent malformed logprobs: %s", address, e)
+            raise GatewayError(grpc.StatusCode.INTERNAL, "a worker sent malformed logprobs") from None
+        return details, prompt
 
 
 async def _drain(call, timeout: float = 1.0) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
 
 DRAFT_METHODS = ("model", "ngram", "none")
@@ -20,6 +21,9 @@ class InvalidRequest(ValueError):
 class Limits:
     max_new_tokens: int = 2048
     default_max_new_tokens: int = 128
+    tgis_default_max_new_tokens: int = 20     # what TGIS's proto documents for max_new_tokens = 0
+    max_repetition_penalty: float = 10.0
+    max_length_decay: float = 10.0
     max_stop_sequences: int = 6
     max_stop_sequence_chars: int = 240
     max_speculative_tokens: int = 16
@@ -39,10 +43,13 @@ class GenRequest:
     k: int = 4                     # speculative tokens per round
     session_id: str = ""
     continuation_ids: list[int] | None = None   # the input as a later turn of a session (None: prompt_ids)
+    token_details: bool = False    # report each generated token (id, text; logprobs when params ask)
+    prompt_details: bool = False   # report each prompt token (id, text; logprobs when params ask)
 
 
 def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: float, seed: int | None,
-                   max_new_tokens: int, min_new_tokens: int, stop_sequences: list[str]) -> SamplingParams:
+                   max_new_tokens: int, min_new_tokens: int, stop_sequences: list[str],
+                   default_max_new_tokens: int | None = None) -> SamplingParams:
     """Validates sampling fields; 0 for max_new_tokens and top_p means 'use the default'."""
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
@@ -53,7 +60,7 @@ def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: flo
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens == 0:
-        max_new_tokens = limits.default_max_new_tokens
+        max_new_tokens = default_max_new_tokens or limits.default_max_new_tokens
     if not 1 <= max_new_tokens <= limits.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens must be between 1 and {limits.max_new_tokens}, got {max_new_tokens}")
     if min_new_tokens < 0 or min_new_tokens > max_new_tokens:
@@ -76,6 +83,55 @@ def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: flo
     return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                           seed=int(seed), max_new_tokens=int(max_new_tokens),
                           min_new_tokens=int(min_new_tokens))
+
+
+def check_processing(limits: Limits, params: SamplingParams, *, typical_p: float = 0.0,
+                     repetition_penalty: float = 0.0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, length_penalty: tuple[int, float] | None = None
+                     ) -> SamplingParams:
+    """Validates the penalties and typical-p; 0 for typical_p and repetition_penalty means 'off'.
+    length_penalty: (start_index, decay_factor), transformers' exponential decay length penalty."""
+    def finite(name: str, value: float) -> float:
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value}")
+        return value
+
+    typical_p = finite("typical_p", typical_p) or 1.0
+    if not 0 < typical_p <= 1:
+        raise InvalidRequest(f"typical_p must be in (0, 1] (0 = off), got {typical_p}")
+    repetition_penalty = finite("repetition_penalty", repetition_penalty) or 1.0
+    if not 0 < repetition_penalty <= limits.max_repetition_penalty:
+        raise InvalidRequest(f"repetition_penalty must be in (0, {limits.max_repetition_penalty:g}] "
+                             f"(0 or 1 = off), got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2 <= finite(name, value) <= 2:
+            raise InvalidRequest(f"{name} must be between -2 and 2, got {value}")
+    start, decay = length_penalty or (0, 1.0)
+    if not 1 <= finite("length_penalty.decay_factor", decay) <= limits.max_length_decay:
+        raise InvalidRequest(f"length_penalty.decay_factor must be between 1 and {limits.max_length_decay:g}, "
+                             f"got {decay}")
+    if start < 0:
+        raise InvalidRequest(f"length_penalty.start_index must be >= 0, got {start}")
+    return replace(params, typical_p=float(typical_p), repetition_penalty=float(repetition_penalty),
+                   presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                   length_start=int(start), length_decay=float(decay))
+
+
+def check_reports(params: SamplingParams, *, logprobs: bool, top_logprobs: int, prompt_logprobs: bool,
+                  field: str = "top_logprobs") -> SamplingParams:
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{field} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    return replace(params, logprobs=bool(logprobs), top_logprobs=int(top_logprobs),
+                   prompt_logprobs=bool(prompt_logprobs))
+
+
+def truncate(ids: list[int], keep: int, max_context: int) -> list[int]:
+    """The last `keep` tokens (TGIS's truncate_input_tokens; 0 = all). More than the context
+    window can hold is an error, as in TGIS; more than the prompt has keeps it whole."""
+    if keep < 0 or keep >= max_context:
+        raise InvalidRequest(f"truncate_input_tokens must be below the model's context of {max_context} "
+                             f"tokens, got {keep}")
+    return ids[-keep:] if 0 < keep < len(ids) else ids
 
 
 def check_speculation(limits: Limits, method: str, k: int) -> tuple[str, int]:

@@ -6,10 +6,10 @@ import logging
 
 import grpc
 
-from gateway.core import Delta, Final, GatewayError, GenerationCore
+from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport
 from gateway.observe import OP_CHAT, OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
-                             check_speculation)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -28,6 +28,18 @@ def usage_proto(final: Final) -> pb.Usage:
                     verify_rounds=u.verify_rounds, acceptance_rate=u.acceptance_rate,
                     mean_accepted_length=u.mean_accepted_length, draft_method=u.draft_method,
                     cached_prompt_tokens=u.cached_prompt_tokens, migrations=u.migrations)
+
+
+def logprobs_proto(reports: list[TokenReport] | None) -> list[pb.TokenLogprob]:
+    out = []
+    for t in reports or ():
+        m = pb.TokenLogprob(token_id=t.token_id, text=t.text, rank=t.rank)
+        if t.logprob is not None:
+            m.logprob = t.logprob
+        for token_id, text, lp in t.top:
+            m.top_logprobs.add(token_id=token_id, text=text, logprob=lp)
+        out.append(m)
+    return out
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -49,19 +61,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                      f"{self.limits.max_prompt_chars}")
             ids = self.core.encode_prompt(m.prompt)
             later = self.core.encode_continuation(m.prompt)
+        ids = truncate(ids, m.truncate_input_tokens, self.core.max_context)
+        later = truncate(later, m.truncate_input_tokens, self.core.max_context)
         self.core.check_length(ids, self.limits.max_prompt_tokens)
         s = m.sampling
         params = check_sampling(self.limits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                 seed=s.seed if s.HasField("seed") else None,
                                 max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
                                 stop_sequences=list(s.stop_sequences))
+        params = check_processing(self.limits, params, typical_p=s.typical_p, repetition_penalty=s.repetition_penalty,
+                                  presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                  length_penalty=((s.length_penalty.start_index, s.length_penalty.decay_factor)
+                                                  if s.HasField("length_penalty") else None))
+        lp = m.logprobs
+        params = check_reports(params, logprobs=lp.logprobs or lp.top_logprobs > 0, top_logprobs=lp.top_logprobs,
+                               prompt_logprobs=lp.prompt_logprobs, field="logprobs.top_logprobs")
         if m.speculation.method not in _METHODS:
             raise InvalidRequest(f"unknown speculation.method value {m.speculation.method}")
         method, k = check_speculation(self.limits, _METHODS[m.speculation.method],
                                       m.speculation.num_speculative_tokens)
         return GenRequest(prompt_ids=ids, params=params, stop_sequences=list(s.stop_sequences),
                           method=method, k=k, session_id=check_session_id(m.session_id),
-                          continuation_ids=later)
+                          continuation_ids=later, token_details=params.logprobs,
+                          prompt_details=params.prompt_logprobs)
 
     async def _events(self, request, context):
         try:
@@ -81,19 +103,26 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         parts: list[str] = []
+        tokens: list[TokenReport] = []
+        prompt: list[TokenReport] | None = None
         async for event in self._events(request, context):
             if isinstance(event, Delta):
                 parts.append(event.text)
+                tokens += event.tokens
+                prompt = event.prompt_tokens if event.prompt_tokens is not None else prompt
             else:
                 return pb.GenerateResponse(text="".join(parts), finish_reason=_FINISH[event.finish_reason],
                                            usage=usage_proto(event), session_id=event.session_id,
-                                           stop_sequence=event.stop_sequence)
+                                           stop_sequence=event.stop_sequence, tokens=logprobs_proto(tokens),
+                                           prompt_tokens=logprobs_proto(prompt))
 
     async def GenerateStream(self, request, context):
         async for event in self._events(request, context):
             if isinstance(event, Delta):
-                if event.text or event.token_count:
-                    yield pb.GenerateStreamResponse(text=event.text, token_count=event.token_count)
+                if event.text or event.token_count or event.prompt_tokens is not None:
+                    yield pb.GenerateStreamResponse(text=event.text, token_count=event.token_count,
+                                                    tokens=logprobs_proto(event.tokens),
+                                                    prompt_tokens=logprobs_proto(event.prompt_tokens))
             else:
                 yield pb.GenerateStreamResponse(finish_reason=_FINISH[event.finish_reason],
                                                 usage=usage_proto(event), session_id=event.session_id,

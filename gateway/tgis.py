@@ -2,25 +2,27 @@
 
 Unmodified TGIS clients talk to Tandem through this face. The TGIS wire format has no place for
 Tandem's speculation knobs, so those arrive as request metadata (x-tandem-*). TGIS features
-Tandem does not implement are refused with INVALID_ARGUMENT naming the field, never silently
-ignored: a client asking for them would otherwise get output it did not ask for.
+Tandem does not implement (prefix_id, adapter_id, guided decoding) are refused with
+INVALID_ARGUMENT naming the field, never silently ignored: a client asking for them would
+otherwise get output it did not ask for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
 
 from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
-from gateway.core import Delta, Final, GatewayError, GenerationCore, Usage
+from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage
 from gateway.observe import OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_sampling, check_session_id,
-                             check_speculation)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,23 @@ class _Job:
     echo_input: bool
     seed: int                  # reported back; 0 under greedy (TGIS reports seeds only for sampling)
     time_limit_s: float | None
+    response: pb.ResponseOptions
+
+    def token_infos(self, reports: list[TokenReport]) -> list[pb.TokenInfo]:
+        """TokenInfos carrying what ResponseOptions asked for. The first prompt token has nothing
+        before it: its logprob is NaN, its rank 0, as in TGIS."""
+        r = self.response
+        out = []
+        for t in reports:
+            info = pb.TokenInfo(text=t.text)
+            if r.token_logprobs:
+                info.logprob = math.nan if t.logprob is None else t.logprob
+            if r.token_ranks:
+                info.rank = t.rank
+            for _, text, lp in t.top:
+                info.top_tokens.add(text=text, logprob=lp)
+            out.append(info)
+        return out
 
 
 class TgisServicer(pb_grpc.GenerationServiceServicer):
@@ -67,27 +86,10 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
             raise _unsupported("prefix_id")
         if m.adapter_id:
             raise _unsupported("adapter_id")
-        p = m.params
-        if p.truncate_input_tokens:
-            raise _unsupported("params.truncate_input_tokens")
-        d = p.decoding
-        if d.repetition_penalty not in (0.0, 1.0):     # 0 and 1 both mean "off"
-            raise _unsupported("params.decoding.repetition_penalty")
-        if d.HasField("length_penalty"):
-            raise _unsupported("params.decoding.length_penalty")
+        d = m.params.decoding
         guided = d.WhichOneof("guided")
         if guided is not None and not (guided == "format" and d.format == pb.DecodingParameters.TEXT):
             raise _unsupported(f"params.decoding.{guided} (guided decoding)")   # TEXT = unconstrained
-        r = p.response
-        for name in ("input_tokens", "token_logprobs", "token_ranks", "top_n_tokens"):
-            if getattr(r, name):
-                raise _unsupported(f"params.response.{name}")
-        # Per-token details need token ids the core does not hand out (it streams text).
-        if r.generated_tokens:
-            raise _unsupported("params.response.generated_tokens")
-        # Under GREEDY TGIS ignores the sampling message entirely, so only check it for SAMPLE.
-        if p.method == pb.SAMPLE and p.sampling.typical_p not in (0.0, 1.0):
-            raise _unsupported("params.sampling.typical_p")
 
     def _speculation(self, context: grpc.aio.ServicerContext, batch_size: int) -> tuple[str, int, str]:
         md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -107,26 +109,52 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
         if len(text) > self.limits.max_prompt_chars:
             raise InvalidRequest(f"text is {len(text)} characters; the limit is {self.limits.max_prompt_chars}")
         ids = self.core.encode_prompt(text)
+        try:
+            ids = truncate(ids, p.truncate_input_tokens, self.core.max_context)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"params.{e}") from None
         self.core.check_length(ids, self.limits.max_prompt_tokens)
         stopping = p.stopping
         stops = list(stopping.stop_sequences)
+        typical_p = 0.0
         if p.method == pb.SAMPLE:
             s = p.sampling
             # TGIS reads temperature 0 under SAMPLE as "unset", i.e. 1.0, never as greedy.
-            temperature, top_k, top_p = (s.temperature or 1.0), s.top_k, s.top_p
+            temperature, top_k, top_p, typical_p = (s.temperature or 1.0), s.top_k, s.top_p, s.typical_p
             seed = s.seed if s.HasField("seed") else None
         elif p.method == pb.GREEDY:
+            # Under GREEDY TGIS ignores the sampling message entirely.
             temperature, top_k, top_p, seed = 0.0, 0, 0.0, 0
         else:
             raise InvalidRequest(f"unknown params.method value {p.method}")
         params = check_sampling(self.limits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_new_tokens=stopping.max_new_tokens,
-                                min_new_tokens=stopping.min_new_tokens, stop_sequences=stops)
+                                min_new_tokens=stopping.min_new_tokens, stop_sequences=stops,
+                                default_max_new_tokens=self.limits.tgis_default_max_new_tokens)
+        d = p.decoding
+        length = d.length_penalty
+        try:
+            params = check_processing(self.limits, params, typical_p=typical_p,
+                                      repetition_penalty=d.repetition_penalty,
+                                      length_penalty=((length.start_index, length.decay_factor)
+                                                      if d.HasField("length_penalty") else None))
+        except InvalidRequest as e:
+            where = "params.sampling." if str(e).startswith("typical_p") else "params.decoding."
+            raise InvalidRequest(where + str(e)) from None
+        r = p.response
+        # TGIS reports details only of the tokens it returns: generated_tokens and input_tokens say
+        # which; token_logprobs, token_ranks and top_n_tokens what each TokenInfo carries.
+        scored = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
+        params = check_reports(params, logprobs=r.generated_tokens and scored, top_logprobs=r.top_n_tokens,
+                               prompt_logprobs=r.input_tokens and scored, field="params.response.top_n_tokens")
+        if not (r.generated_tokens or r.input_tokens):
+            params = replace(params, top_logprobs=0)          # no TokenInfo to carry them
         req = GenRequest(prompt_ids=ids, params=params, stop_sequences=stops,
                          include_stop_sequence=stopping.include_stop_sequence,   # unset = False
-                         method=method, k=k, session_id=session_id)
-        return _Job(req, text, p.response.input_text, params.seed if p.method == pb.SAMPLE else 0,
-                    stopping.time_limit_millis / 1000 if stopping.time_limit_millis else None)
+                         method=method, k=k, session_id=session_id,
+                         token_details=r.generated_tokens, prompt_details=r.input_tokens)
+        return _Job(req, text, r.input_text, params.seed if p.method == pb.SAMPLE else 0,
+                    stopping.time_limit_millis / 1000 if stopping.time_limit_millis else None, r)
 
     # ---- generation ----
 
@@ -164,6 +192,8 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
     async def _generate_one(self, job: _Job, context: grpc.aio.ServicerContext) -> pb.GenerationResponse:
         parts = [job.text] if job.echo_input else []
         count, final = 0, None
+        tokens: list[pb.TokenInfo] = []
+        input_tokens: list[pb.TokenInfo] = []
         with self.core.observer("tgis") as obs:
             obs.begin(job.req, OP_TEXT, [("user", job.text)])
             async for event in self._events(job, context):     # run to the end: the stream closes itself
@@ -171,6 +201,9 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                 if isinstance(event, Delta):
                     parts.append(event.text)
                     count += event.token_count
+                    tokens += job.token_infos(event.tokens)
+                    if event.prompt_tokens is not None:
+                        input_tokens = job.token_infos(event.prompt_tokens)
                 else:
                     final = event
         if final is None:
@@ -178,7 +211,8 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
         return pb.GenerationResponse(text="".join(parts), generated_token_count=count,
                                      input_token_count=len(job.req.prompt_ids),
                                      stop_reason=_STOP_REASON[final.finish_reason],
-                                     stop_sequence=final.stop_sequence, seed=job.seed)
+                                     stop_sequence=final.stop_sequence, seed=job.seed,
+                                     tokens=tokens, input_tokens=input_tokens)
 
     async def Generate(self, request: pb.BatchedGenerationRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
@@ -217,16 +251,26 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                 method, k, session_id = self._speculation(context, 1)
                 job = self._job(request.request.text, request.params, method, k, session_id)
                 obs.begin(job.req, OP_TEXT, [("user", job.text)])
-                # TGIS sends the input details first, before any generated text.
-                yield pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
-                                            text=job.text if job.echo_input else "", seed=job.seed)
+                # TGIS sends the input details first, before any generated text; input token details
+                # come with the verify worker's first answer, so that message waits for it.
+                first = pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
+                                              text=job.text if job.echo_input else "", seed=job.seed)
+                if not job.req.prompt_details:
+                    yield first
+                    first = None
                 count = 0
                 async for event in self._events(job, context):
                     obs.saw(event)
+                    if first is not None:
+                        if isinstance(event, Delta) and event.prompt_tokens is not None:
+                            first.input_tokens.extend(job.token_infos(event.prompt_tokens))
+                        yield first
+                        first = None
                     if isinstance(event, Delta):
                         if event.text or event.token_count:
                             count += event.token_count
-                            yield pb.GenerationResponse(text=event.text, generated_token_count=count)
+                            yield pb.GenerationResponse(text=event.text, generated_token_count=count,
+                                                        tokens=job.token_infos(event.tokens))
                     else:
                         # A message of its own: holding each delta back until the next one shows whether
                         # it is the last would delay every chunk by one verify round.

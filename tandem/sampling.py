@@ -1,10 +1,26 @@
-"""Logits processing shared by the target and the drafter, so that p and q see identical rules."""
+"""Logits processing shared by the target and the drafter, so that p and q see identical rules.
+
+One pipeline, in the order transformers' `generate` applies the same stages:
+
+  history stages (see `process`): repetition penalty, presence/frequency penalties, the
+      min_new_tokens block on end-of-sequence, the exponential length penalty on end-of-sequence
+  warpers (see `probabilities`, sampling only): temperature, top-k, top-p, typical-p
+
+History stages depend on the tokens before the position they process. Row i of a proposal's
+logits is processed with the committed tokens plus proposed tokens 0..i-1, on the target and on
+the drafter alike, so that rejection sampling compares p and q under the same rules.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# The length penalty multiplies the end-of-sequence score by at most this much more: past it the
+# score is beyond any other anyway, and an unbounded power overflows.
+MAX_LENGTH_BOOST = 1e30
 
 
 @dataclass(frozen=True)
@@ -15,27 +31,73 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 64
     min_new_tokens: int = 0
+    typical_p: float = 1.0              # 1 = off; a warper, so sampling only
+    repetition_penalty: float = 1.0     # 1 = off; over prompt and output (transformers' rule)
+    presence_penalty: float = 0.0       # 0 = off; over output tokens (OpenAI's rule)
+    frequency_penalty: float = 0.0      # 0 = off; over output tokens, per occurrence
+    length_start: int = 0               # the length penalty's start_index, in output tokens
+    length_decay: float = 1.0           # its decay_factor; 1 = off
+    # Trailing prompt tokens that an earlier attempt of the same request generated (a migrated
+    # request resumes with them appended to its prompt): they count as output for the penalties.
+    resumed: int = 0
+    # What to report with each token, from the target's raw distribution (see `logprobs_of`).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reports(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
-def suppress_eos(logits: torch.Tensor, eos_ids: list[int], first_index: int,
-                 min_new_tokens: int) -> torch.Tensor:
-    """Forbids end-of-sequence at rows that would produce generated token number < min_new_tokens.
 
-    logits: [n, V]; row i produces generated token number first_index + i (0-based).
-    """
-    blocked_rows = max(0, min(logits.shape[0], min_new_tokens - first_index))
-    if blocked_rows and eos_ids:
-        logits = logits.clone()
-        logits[:blocked_rows, eos_ids] = float("-inf")
-    return logits
+def process(logits: torch.Tensor, history: list[int], prompt_len: int, params: SamplingParams,
+            eos_ids: list[int], proposed: list[int] = ()) -> torch.Tensor:
+    """The history stages. logits: [n, V] raw; row i is the distribution of the token after
+    history + proposed[:i] (n <= len(proposed) + 1). history: every token so far, prompt_len of
+    them the prompt as the worker got it. Returns new logits [n, V] (the input when nothing applies)."""
+    n, vocab = logits.shape
+    output_start = prompt_len - params.resumed
+    generated = len(history) - output_start           # output tokens before row 0
+    rep, pres, freq = params.repetition_penalty, params.presence_penalty, params.frequency_penalty
+    block = max(0, min(n, params.min_new_tokens + params.resumed - generated)) if eos_ids else 0
+    lengthy = params.length_decay != 1.0 and eos_ids and generated + n - 1 > params.length_start
+    if rep == 1.0 and pres == 0.0 and freq == 0.0 and not block and not lengthy:
+        return logits
+    x = logits.float().clone()
+    extra = torch.tensor(list(proposed[:n - 1]), dtype=torch.long)            # [n-1]
+    if rep != 1.0:
+        seen = torch.zeros(n, vocab, dtype=torch.bool)
+        seen[:, torch.tensor(history, dtype=torch.long)] = True
+        for i in range(1, n):
+            seen[i:, extra[i - 1]] = True
+        x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
+    if pres != 0.0 or freq != 0.0:
+        counts = torch.zeros(n, vocab)
+        out = history[output_start:]
+        if out:
+            counts[:] = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].float()
+        for i in range(1, n):
+            counts[i:, extra[i - 1]] += 1
+        x = x - freq * counts - pres * (counts > 0).float()
+    if block:
+        x[:block, eos_ids] = float("-inf")
+    if lengthy:
+        for i in range(n):
+            over = generated + i - params.length_start
+            if over > 0:
+                boost = min(math.exp(over * math.log(params.length_decay)), MAX_LENGTH_BOOST) - 1
+                eos = x[i, eos_ids]
+                x[i, eos_ids] = torch.where(torch.isfinite(eos), eos + eos.abs() * boost, eos)
+    return x
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (the order transformers uses). logits: [n, V] -> [n, V]."""
+    """The warpers: temperature, top-k, top-p, typical-p (transformers' order). logits: [n, V]
+    after `process` -> probabilities [n, V]."""
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
@@ -48,7 +110,32 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = mass_before >= params.top_p                      # the best token is never dropped
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if params.typical_p < 1.0:
+        x = _typical(x, params.typical_p)
     return torch.softmax(x, dim=-1)
+
+
+def _typical(x: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprisal is closest
+    to the entropy, fewest first, until they hold `mass`; at least one is kept."""
+    logp = torch.log_softmax(x, dim=-1)
+    ent = -(logp * logp.exp()).nansum(-1, keepdim=True)              # [n, 1]
+    distance = (-logp - ent).abs()
+    sorted_d, order = torch.sort(distance, dim=-1)
+    cum = torch.softmax(x.gather(-1, order), dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=-1, keepdim=True).clamp_(max=x.shape[-1] - 1)
+    drop_sorted = sorted_d > sorted_d.gather(-1, last)
+    drop_sorted[..., :1] = False
+    return x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one processed row [1, V] or [V]: argmax when greedy, else a draw from the
+    warped distribution."""
+    row = logits.reshape(-1)
+    if params.greedy:
+        return int(row.argmax())
+    return sample(probabilities(row[None], params)[0], generator)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import torch
 
+from tandem.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
@@ -24,7 +25,11 @@ ANSWERS = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLE
 
 def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
     return pb.WorkerSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                             max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens)
+                             max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
+                             typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                             length_start=p.length_start, length_decay=p.length_decay, resumed=p.resumed,
+                             logprobs=p.logprobs, top_logprobs=p.top_logprobs, prompt_logprobs=p.prompt_logprobs)
 
 
 def check_params(p: SamplingParams) -> SamplingParams:
@@ -34,17 +39,48 @@ def check_params(p: SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling.temperature must be finite and >= 0, got {p.temperature}")
     if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
         raise ValueError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
+    if not math.isfinite(p.typical_p) or not 0 < p.typical_p <= 1:
+        raise ValueError(f"sampling.typical_p must be in (0, 1], got {p.typical_p}")
+    if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
+        raise ValueError(f"sampling.repetition_penalty must be finite and > 0, got {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            raise ValueError(f"sampling.{name} must be finite, got {getattr(p, name)}")
+    if not math.isfinite(p.length_decay) or p.length_decay <= 0:
+        raise ValueError(f"sampling.length_decay must be finite and > 0, got {p.length_decay}")
     if p.max_new_tokens < 1:
         raise ValueError("sampling.max_new_tokens must be >= 1")
     if p.min_new_tokens > p.max_new_tokens:
         raise ValueError(f"sampling.min_new_tokens ({p.min_new_tokens}) exceeds max_new_tokens ({p.max_new_tokens})")
+    if p.top_logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(f"sampling.top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
     return p
 
 
 def params_from_proto(m: pb.WorkerSampling) -> SamplingParams:
+    """0 means "off" for the fields whose neutral value is 1."""
     return SamplingParams(temperature=float(m.temperature), top_k=int(m.top_k),
                           top_p=float(m.top_p) if m.top_p > 0 else 1.0, seed=int(m.seed),
-                          max_new_tokens=int(m.max_new_tokens), min_new_tokens=int(m.min_new_tokens))
+                          max_new_tokens=int(m.max_new_tokens), min_new_tokens=int(m.min_new_tokens),
+                          typical_p=float(m.typical_p) or 1.0,
+                          repetition_penalty=float(m.repetition_penalty) or 1.0,
+                          presence_penalty=float(m.presence_penalty), frequency_penalty=float(m.frequency_penalty),
+                          length_start=int(m.length_start), length_decay=float(m.length_decay) or 1.0,
+                          resumed=int(m.resumed), logprobs=bool(m.logprobs), top_logprobs=int(m.top_logprobs),
+                          prompt_logprobs=bool(m.prompt_logprobs))
+
+
+def logprobs_to_proto(reports: list[TokenLogprob]) -> list[pb.TokenScore]:
+    return [pb.TokenScore(logprob=r.logprob, rank=r.rank, top_ids=[t for t, _ in r.top],
+                            top_logprobs=[lp for _, lp in r.top]) for r in reports]
+
+
+def logprobs_from_proto(token_ids, reports) -> list[TokenLogprob]:
+    """The reports of a chunk, paired with its tokens (ValueError when the counts differ)."""
+    if len(reports) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} tokens but {len(reports)} logprob reports")
+    return [TokenLogprob(int(t), r.logprob, r.rank, tuple(zip(r.top_ids, r.top_logprobs)))
+            for t, r in zip(token_ids, reports)]
 
 
 def support_to_proto(ids: torch.Tensor, probs: torch.Tensor) -> pb.DraftDistribution:

@@ -11,7 +11,8 @@ import torch
 
 from tandem.kvpool import common_prefix, copy_longest_prefix
 from tandem.modeling import CausalLM, SessionCache
-from tandem.sampling import SamplingParams, make_generator, probabilities, suppress_eos
+from tandem.logprobs import TokenLogprob, logprobs_of
+from tandem.sampling import SamplingParams, make_generator, probabilities, process
 from tandem.verification import verify_greedy, verify_sampled
 
 STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
@@ -36,11 +37,12 @@ class TargetSession:
         return len(self.tokens) - self.prompt_len
 
 
-@dataclass(frozen=True)
+@dataclass
 class VerdictResult:
     accepted: int            # leading proposed tokens accepted
     token_ids: list[int]     # accepted tokens + the bonus/corrected token, cut at a stop
     stop_reason: int
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when the session reports
 
 
 class VerifyEngine:
@@ -66,7 +68,9 @@ class VerifyEngine:
                                 f"{self.model.max_context}")
         need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
-            reuse.cache.crop(min(common_prefix(reuse.tokens, prompt_ids), len(prompt_ids) - 1))
+            # Prompt logprobs need the logits of every prompt position: then nothing is reused.
+            keep = 0 if params.prompt_logprobs else common_prefix(reuse.tokens, prompt_ids)
+            reuse.cache.crop(min(keep, len(prompt_ids) - 1))
             reuse.cache.reserve(need, spare=False)     # exactly what the budget reserved
             cache = reuse.cache
         else:
@@ -90,9 +94,22 @@ class VerifyEngine:
         todo = s.tokens[s.cache.length:s.prompt_len - 1]
         return [todo[i:i + chunk] for i in range(0, len(todo), chunk)]
 
-    def prefill(self, s: TargetSession, chunk: int = 1 << 30) -> None:
+    def prefill(self, s: TargetSession, chunk: int = 1 << 30) -> list[TokenLogprob]:
+        """Feeds the prompt; returns the prompt tokens' reports when the session asks for them."""
+        reports: list[TokenLogprob] = []
         for piece in self.prefill_chunks(s, chunk):
-            self.model.forward(piece, s.cache, last=1)
+            start = s.cache.length
+            logits = self.model.forward(piece, s.cache, last=None if s.params.prompt_logprobs else 1)
+            reports += self.prompt_report(s, logits, start)
+        return reports
+
+    @staticmethod
+    def prompt_report(s: TargetSession, logits: torch.Tensor, start: int) -> list[TokenLogprob]:
+        """Reports of the prompt tokens that a prefill chunk's logits [n, V] predict: row i follows
+        prompt token start + i. Empty unless the session asks for prompt logprobs."""
+        if not s.params.prompt_logprobs:
+            return []
+        return logprobs_of(logits, s.tokens[start + 1:start + 1 + logits.shape[0]], s.params.top_logprobs)
 
     def verify_input(self, s: TargetSession, proposed: list[int]) -> list[int]:
         """Checks a proposal; returns the k+1 tokens to feed: the last committed one + proposed."""
@@ -121,17 +138,21 @@ class VerifyEngine:
             s.cache.crop(base)
             raise ProtocolError(f"draft distributions have shape {tuple(draft_probs.shape)}, "
                                 f"expected ({k}, {self.model.vocab_size})")
-        logits = suppress_eos(logits, self.model.eos_ids, s.generated, s.params.min_new_tokens)
+        processed = process(logits, s.tokens, s.prompt_len, s.params, self.model.eos_ids, proposed)  # [k+1, V]
         proposed_t = torch.tensor(proposed, dtype=torch.long)      # [k]
         if s.params.greedy:
-            outcome = verify_greedy(proposed_t, logits)
+            outcome = verify_greedy(proposed_t, processed)
         else:
-            p = probabilities(logits, s.params)                    # [k+1, V]
+            p = probabilities(processed, s.params)                 # [k+1, V]
             uniforms = torch.rand(k, generator=s.generator)        # [k]
             outcome = verify_sampled(proposed_t, draft_probs, p, uniforms, s.generator)
         # Keep the last committed token and the accepted ones; rejected positions are dropped.
         s.cache.crop(base + 1 + outcome.accepted)
-        return self._commit(s, outcome.accepted, [*proposed[:outcome.accepted], outcome.next_token])
+        verdict = self._commit(s, outcome.accepted, [*proposed[:outcome.accepted], outcome.next_token])
+        if s.params.reports:
+            # row i of the raw logits is the distribution token_ids[i] was decided from
+            verdict.logprobs = logprobs_of(logits, verdict.token_ids, s.params.top_logprobs)
+        return verdict
 
     def verify(self, s: TargetSession, proposed: list[int],
                draft_probs: torch.Tensor | None = None) -> VerdictResult:

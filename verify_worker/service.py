@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import grpc
 
@@ -51,9 +52,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.gauge_from(metrics.KV_POOL_BYTES, lambda: self.engine.model.pool.nbytes)
         metrics.gauge_from(metrics.TOKEN_COST, lambda: self.price.value)
 
-    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling) -> tuple[TargetSession, int]:
+    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling
+                    ) -> tuple[TargetSession, int, list]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
-        tokens whose KV came from its kept earlier turn."""
+        tokens whose KV came from its kept earlier turn, and the prompt tokens' reports (protobuf)
+        when the session asks for them."""
         logs.session_id.set(session_id)
         try:
             params = wire.check_params(wire.params_from_proto(sampling))
@@ -65,7 +68,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         except ProtocolError as e:
             self.keeper.release(id(context), None, keep=False)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.share_prefixes:
+        reports = []
+        if self.share_prefixes and not params.prompt_logprobs:     # prompt logprobs need every row
             donors = [*self.sessions.values(), *self.keeper.idle.values()]
             await self.batcher.between_passes(self.engine.share_prefix, session, donors)
         cached = session.cache.length
@@ -73,14 +77,18 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                         "tandem.cached_prompt_tokens": cached}) as span:
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
-                seconds += (await self.batcher.forward(session.cache, chunk, last=1, prefill=True)).seconds
+                report = partial(self.engine.prompt_report, session, start=session.cache.length)
+                ran = await self.batcher.forward(session.cache, chunk, None if params.prompt_logprobs else 1,
+                                                 report, prefill=True)
+                seconds += ran.seconds
+                reports += ran.value
             if span is not None:
                 span.set_attribute("tandem.verify_seconds", seconds)
         self.sessions[id(context)] = session
         computed = len(prompt_ids) - 1 - cached         # the last prompt token is fed with round 1
         metrics.PREFILL_TOKENS.labels("computed").inc(max(0, computed))
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
-        return session, cached
+        return session, cached, wire.logprobs_to_proto(reports)
 
     async def _admit(self, context, session_id: str, prompt_ids: list[int], params, need: int) -> TargetSession:
         """Reserves KV for the session, waiting in the admission queue while the pool is full;
@@ -142,13 +150,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if session is not None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "session already open on this stream")
-                    session, cached = await self._open(context, req.open.session_id,
-                                                       list(req.open.prompt_ids), req.open.sampling)
+                    session, cached, prompt_reports = await self._open(
+                        context, req.open.session_id, list(req.open.prompt_ids), req.open.sampling)
                     yield pb.VerifyResponse(opened=pb.Opened(
                         cached_tokens=cached, vocab_size=self.engine.model.vocab_size,
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context,
                         forward_ms=self.engine.model.forward_ms,
-                        token_cost=self.price.for_batch(len(self.sessions))))
+                        token_cost=self.price.for_batch(len(self.sessions)), prompt_logprobs=prompt_reports))
                 elif kind == "proposal":
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -173,7 +181,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
                             token_cost=self.price.for_batch(max(ran.batch_size, len(self.sessions)), ran.positions),
                             unverified=len(proposal.token_ids) + 1 - ran.fed,
-                            position_seconds=self.price.position_seconds(ran.batch_size, ran.positions)))
+                            position_seconds=self.price.position_seconds(ran.batch_size, ran.positions),
+                            logprobs=wire.logprobs_to_proto(verdict.logprobs or ())))
                         if verdict.stop_reason != STOP_NONE:
                             return
                 else:
@@ -183,8 +192,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
-            session, cached = await self._open(context, request.session_id, list(request.prompt_ids),
-                                               request.sampling)
+            session, cached, prompt_reports = await self._open(context, request.session_id,
+                                                               list(request.prompt_ids), request.sampling)
             first = True
             while True:
                 with telemetry.span("decode round") as span:
@@ -194,7 +203,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         span.set_attributes(round_attributes(0, 0, verdict.token_ids, ran.batch_size, ran.seconds))
                 metrics.VERIFY_SECONDS.observe(ran.seconds)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
-                                    cached_tokens=cached if first else 0)
+                                    cached_tokens=cached if first else 0,
+                                    logprobs=wire.logprobs_to_proto(verdict.logprobs or ()),
+                                    prompt_logprobs=prompt_reports if first else ())
                 first = False
                 if verdict.stop_reason != STOP_NONE:
                     return

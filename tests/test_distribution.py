@@ -1,0 +1,263 @@
+"""Speculative sampling with logits processing emits exactly the target's processed distribution.
+
+Part 1: `verify_sampled` with k >= 3 on hand-made tensors whose residuals are one-hot, so every
+outcome is deterministic: the rejected row's residual, the bonus row, one uniform per position,
+and the residual of a deterministic proposal.
+
+Part 2: a toy target and a toy draft (pseudo-random logits over V=5 tokens, a function of the
+history; the two are unrelated, so proposals are rejected at every position) run through the real
+pipeline: the draft samples k tokens from q = probabilities(process(...)) row by row, the target
+processes all k+1 rows in ONE `process` call with `proposed` (as the verify worker does), then
+`probabilities` and `verify_sampled`. The first T=3 tokens of N sequences are compared with the
+target's exact distribution, enumerated token by token through the same two functions.
+
+Statistic: every cell (each full 3-token outcome, an end token padded with PAD, and each
+position's marginal) must satisfy |empirical - exact| <= Z*sqrt(p(1-p)/N) + Z^2/(3N), Bernstein's
+bound with Z = 4.5 (two-sided ~7e-6 per cell); an outcome the target forbids must never occur.
+`detection` is the worst cell's deviation over its bound, so the test passes iff it is < 1. With
+N = 60000 the largest bound (p = 1/2) is 0.0093, below 0.01: a shift of one percentage point in
+any cell's probability exceeds it.
+
+Each config also runs deliberately wrong variants through the same statistic and asserts they are
+detected (detection > 1): the target processing each row with the committed history only, the
+draft reporting a q other than the one it sampled from, the residual taken from the wrong row, and
+one uniform reused for every position. (A draft that samples from unprocessed q AND reports it is
+not a bug: rejection sampling is exact for any q; only a mismatch is.)
+"""
+
+import math
+import zlib
+from bisect import bisect_right
+from collections import Counter
+from itertools import accumulate
+
+import pytest
+import torch
+
+from tandem.sampling import SamplingParams, probabilities, process
+from tandem.verification import Outcome, verify_sampled
+
+# ---------------------------------------------------------------------------------------------
+# Part 1: exact cases with k >= 3
+# ---------------------------------------------------------------------------------------------
+
+# k = 4, V = 5, proposed [1, 2, 3, 4]. Acceptance ratios p/q of the proposed tokens: 1, 1, 1/3, 1/2.
+# Residuals max(0, p_i - q_i) are one-hot on a different token per row: 4, 3, 0, 2; bonus row p_4
+# is a point mass on 1.
+PROPOSED = torch.tensor([1, 2, 3, 4])
+Q = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0],
+                  [0.5, 0.0, 0.5, 0.0, 0.0],
+                  [0.0, 0.2, 0.2, 0.6, 0.0],
+                  [0.0, 0.0, 0.0, 0.0, 1.0]])
+P = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5],
+                  [0.0, 0.0, 0.5, 0.5, 0.0],
+                  [0.4, 0.2, 0.2, 0.2, 0.0],
+                  [0.0, 0.0, 0.5, 0.0, 0.5],
+                  [0.0, 1.0, 0.0, 0.0, 0.0]])
+
+
+def verdict(uniforms, proposed=PROPOSED, q=Q, p=P, seed=0) -> tuple[int, int]:
+    out = verify_sampled(proposed, q, p, torch.tensor(uniforms), torch.Generator().manual_seed(seed))
+    return out.accepted, out.next_token
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rejection_in_the_middle_draws_from_that_rows_residual(seed):
+    assert verdict([0.99, 0.99, 0.5, 0.0], seed=seed) == (2, 0)      # 0.5 >= 1/3 rejects row 2
+    assert verdict([0.99, 0.99, 0.3, 0.6], seed=seed) == (3, 2)      # row 2 accepted, row 3 not
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_all_accepted_draws_the_bonus_from_row_k(seed):
+    assert verdict([0.99, 0.99, 0.3, 0.4], seed=seed) == (4, 1)
+
+
+def test_each_position_uses_its_own_uniform():
+    shared = lambda u: verdict([u[0]] * 4)                          # noqa: E731  the wrong rule
+    for uniforms, right in (([0.1, 0.1, 0.9, 0.1], (2, 0)), ([0.9, 0.9, 0.1, 0.1], (4, 1)),
+                            ([0.2, 0.2, 0.2, 0.7], (3, 2))):
+        assert verdict(uniforms) == right
+        assert shared(uniforms)[0] != right[0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_deterministic_proposal_residual_is_p_without_the_proposed_token(seed):
+    # q one-hot on proposed [2, 3, 1]: accept with probability p_i(x_i) = 0.9, 0.3, 0.5; p_i with
+    # x_i zeroed is one-hot on 0, 4, 3; bonus row a point mass on 2.
+    proposed = torch.tensor([2, 3, 1])
+    p = torch.tensor([[0.1, 0.0, 0.9, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.3, 0.7],
+                      [0.0, 0.5, 0.0, 0.5, 0.0],
+                      [0.0, 0.0, 1.0, 0.0, 0.0]])
+    run = lambda u: verdict(u, proposed, None, p, seed)              # noqa: E731
+    assert run([0.95, 0.0, 0.0]) == (0, 0)
+    assert run([0.5, 0.5, 0.0]) == (1, 4)
+    assert run([0.5, 0.2, 0.7]) == (2, 3)
+    assert run([0.5, 0.2, 0.4]) == (3, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 2: the distribution of the first T tokens through the whole pipeline
+# ---------------------------------------------------------------------------------------------
+
+V, T, PROMPT, PAD = 5, 3, (1, 2), -1
+N, Z = 60_000, 4.5
+
+
+def toy_logits(salt: int, history: tuple[int, ...]) -> torch.Tensor:
+    """[V] logits, a fixed pseudo-random function of the history; salt tells the models apart.
+    Token 0 (the end token where one is set) is pushed down so that most sequences run T tokens."""
+    seed = zlib.crc32(repr((salt, history)).encode())
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) - 2.0 * (torch.arange(V) == 0)
+
+
+TARGET, DRAFT = 1, 2
+
+
+class Pipeline:
+    """Cached distributions for one config; the uncached path is the real `process` + `probabilities`.
+
+    bug: None, or one of
+      "row_history"  - the target processes each row with the committed history only
+      "reported_q"   - the draft samples from its q but reports softmax(raw logits / temperature)
+      "residual_row" - the verifier takes the residual from row 0 wherever the rejection is
+      "one_uniform"  - uniforms[0] decides every position
+    """
+
+    def __init__(self, params: SamplingParams, eos: list[int], k: int, bug: str | None = None):
+        self.params, self.eos, self.k, self.bug = params, eos, k, bug
+        self._draft, self._round, self._target = {}, {}, {}
+
+    def dist(self, salt: int, history: tuple, rows_proposed: tuple = ()) -> torch.Tensor:
+        """[n, V] probabilities after history + proposed[:i] for i < n = len(proposed) + 1."""
+        logits = torch.stack([toy_logits(salt, history + rows_proposed[:i])
+                              for i in range(len(rows_proposed) + 1)])
+        return probabilities(process(logits, list(history), len(PROMPT), self.params, self.eos,
+                                     list(rows_proposed)), self.params)
+
+    def target_row(self, history: tuple) -> torch.Tensor:
+        if history not in self._target:
+            self._target[history] = self.dist(TARGET, history)[0]
+        return self._target[history]
+
+    def draft(self, history: tuple) -> tuple[list[float], torch.Tensor]:
+        """(cumulative q for sampling, the q reported to the verifier)."""
+        if history not in self._draft:
+            q = self.dist(DRAFT, history)[0]
+            reported = q
+            if self.bug == "reported_q":
+                reported = torch.softmax(toy_logits(DRAFT, history) / self.params.temperature, -1)
+            self._draft[history] = (list(accumulate(q.tolist())), reported)
+        return self._draft[history]
+
+    def round(self, history: tuple, proposed: tuple):
+        key = (history, proposed)
+        if key not in self._round:
+            q = torch.stack([self.draft(history + proposed[:i])[1] for i in range(self.k)])
+            if self.bug == "row_history":
+                p = torch.cat([probabilities(process(toy_logits(TARGET, history + proposed[:i])[None],
+                                                     list(history), len(PROMPT), self.params, self.eos),
+                                             self.params) for i in range(self.k + 1)])
+            else:
+                p = self.dist(TARGET, history, proposed)
+            self._round[key] = (torch.tensor(proposed), q, p)
+        return self._round[key]
+
+    def verify(self, proposed, q, p, uniforms, g) -> Outcome:
+        if self.bug == "one_uniform":
+            uniforms = uniforms[:1].expand(self.k)
+        if self.bug == "residual_row":
+            out = verify_sampled(proposed, q, p, uniforms, g)
+            if out.accepted < self.k:                                 # redraw from row 0's residual
+                residual = torch.clamp(p[0] - q[0], min=0.0)
+                residual = residual if float(residual.sum()) > 0 else p[0]
+                return Outcome(out.accepted, int(torch.multinomial(residual, 1, generator=g)))
+            return out
+        return verify_sampled(proposed, q, p, uniforms, g)
+
+    def speculative(self, n: int, seed: int) -> Counter:
+        """Counts of the first T emitted tokens (PAD after an end token) over n sequences."""
+        g = torch.Generator().manual_seed(seed)
+        draws = iter(torch.rand(n * T * self.k, generator=g).tolist())    # the draft's sampling
+        uniforms = torch.rand(n * T, self.k, generator=g)                   # acceptance, per round
+        rounds, counts = 0, Counter()
+        for _ in range(n):
+            history, out = PROMPT, []
+            while len(out) < T and not (out and out[-1] in self.eos):
+                proposed = ()
+                for _ in range(self.k):
+                    cum, _ = self.draft(history + proposed)
+                    proposed += (bisect_right(cum, next(draws) * cum[-1]),)
+                outcome = self.verify(*self.round(history, proposed), uniforms[rounds], g)
+                rounds += 1
+                new = proposed[:outcome.accepted] + (outcome.next_token,)
+                history += new
+                for t in new:
+                    out.append(t)
+                    if len(out) == T or t in self.eos:
+                        break
+            counts[tuple(out) + (PAD,) * (T - len(out))] += 1
+        return counts
+
+    def exact(self) -> dict[tuple, float]:
+        """The target's distribution of the first T tokens, token by token."""
+        result = {}
+
+        def walk(out: tuple, prob: float):
+            if len(out) == T or (out and out[-1] in self.eos):
+                result[out + (PAD,) * (T - len(out))] = prob
+                return
+            for t, pt in enumerate(self.target_row(PROMPT + out).tolist()):
+                if pt > 0:
+                    walk(out + (t,), prob * pt)
+
+        walk((), 1.0)
+        return result
+
+
+def bound(p: float, n: int) -> float:
+    return Z * math.sqrt(max(p * (1 - p), 0.0) / n) + Z * Z / (3 * n)
+
+
+def detection(counts: Counter, exact: dict[tuple, float]) -> float:
+    """Worst cell's |empirical - exact| / bound over full outcomes and per-position marginals;
+    inf if an outcome the target forbids occurred."""
+    n = sum(counts.values())
+    if set(counts) - set(exact):
+        return math.inf
+    cells = [(counts[c], exact[c]) for c in exact]
+    for pos in range(T):
+        for t in set(c[pos] for c in exact):
+            cells.append((sum(v for c, v in counts.items() if c[pos] == t),
+                          sum(p for c, p in exact.items() if c[pos] == t)))
+    return max(abs(c / n - p) / bound(p, n) for c, p in cells)
+
+
+def test_threshold_detects_one_percentage_point():
+    assert bound(0.5, N) < 0.01
+
+
+CONFIGS = {   # name: (params, eos_ids, k, bugs that must be detected)
+    "plain": (SamplingParams(temperature=1.0), [], 3, ["residual_row", "one_uniform"]),
+    "top_k_top_p": (SamplingParams(temperature=1.0, top_k=2, top_p=0.8), [], 2, ["reported_q"]),
+    "repetition": (SamplingParams(temperature=1.0, repetition_penalty=1.8), [], 3,
+                   ["row_history", "reported_q"]),
+    "presence_frequency": (SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.5),
+                           [], 2, ["row_history"]),
+    "length": (SamplingParams(temperature=1.0, length_start=0, length_decay=2.0), [0], 3, ["row_history"]),
+    "typical": (SamplingParams(temperature=1.0, typical_p=0.6), [], 2, ["reported_q"]),
+    "min_new_tokens": (SamplingParams(temperature=1.0, min_new_tokens=2), [0], 3, ["row_history"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_speculative_matches_target(name):
+    params, eos, k, bugs = CONFIGS[name]
+    exact = Pipeline(params, eos, k).exact()
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    stats = {bug: detection(Pipeline(params, eos, k, bug).speculative(N, seed=7), exact)
+             for bug in [None, *bugs]}
+    print(name, {b: round(s, 2) for b, s in stats.items()})
+    assert stats[None] < 1, stats
+    for bug in bugs:
+        assert stats[bug] > 1, (bug, stats)
