@@ -91,6 +91,44 @@ def test_kill_9_mid_stream_moves_the_session_and_loses_nothing(cluster, expected
         replace_dead(cluster)
 
 
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=1.5, frequency_penalty=1.0)
+
+
+def test_migrated_stream_keeps_penalties_and_logprobs(cluster, tiny_pair, tiny_models):
+    """After a move the tokens already delivered are prompt to the new worker, but still output to
+    the presence and frequency penalties (WorkerSampling.resumed): the result equals an
+    uninterrupted run with the same penalties, and every token keeps its logprob."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    params = SamplingParams(max_new_tokens=N, min_new_tokens=N, **PENALTIES)
+    want = reference(tiny_models[0], tok(PROMPT).input_ids, params)
+    assert want != reference(tiny_models[0], tok(PROMPT).input_ids,
+                             SamplingParams(max_new_tokens=N, min_new_tokens=N, repetition_penalty=1.3))
+    req = long_request()
+    for name, value in PENALTIES.items():
+        setattr(req.sampling, name, value)
+    req.logprobs.logprobs = True
+    victim = []
+
+    def kill():
+        victim.append(holder(cluster, "verify_worker"))
+        cluster.kill(victim[0], signal.SIGKILL)
+
+    try:
+        with grpc.insecure_channel(cluster.address("gateway")) as ch:
+            call = pb_grpc.GenerationServiceStub(ch).GenerateStream(req, timeout=120)
+            msgs = [next(call)]
+            while sum(m.token_count for m in msgs) < 40:     # enough output before the move to matter
+                msgs.append(next(call))
+            kill()
+            msgs += list(call)
+        assert msgs[-1].usage.migrations == 1
+        assert [t.token_id for m in msgs for t in m.tokens] == want
+        assert all(t.rank >= 1 and t.logprob <= 0 for m in msgs for t in m.tokens)
+    finally:
+        replace_dead(cluster)
+
+
 def health_after_sigterm(address: str):
     """The first health status other than SERVING, polled right after SIGTERM (None if refused)."""
     with grpc.insecure_channel(address) as ch:
