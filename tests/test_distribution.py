@@ -56,6 +56,14 @@ P = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5],
                   [0.0, 1.0, 0.0, 0.0, 0.0]])
 
 
+def test_the_hand_made_case_is_as_described():
+    residual = (P[:4] - Q).clamp(min=0)
+    assert ((residual > 0).sum(-1) == 1).all()
+    assert residual.argmax(-1).tolist() + [int(P[4].argmax())] == [4, 3, 0, 2, 1]
+    rows = torch.arange(4)
+    assert (P[rows, PROPOSED] / Q[rows, PROPOSED]).tolist() == pytest.approx([1, 1, 1 / 3, 0.5])
+
+
 def verdict(uniforms, proposed=PROPOSED, q=Q, p=P, seed=0) -> tuple[int, int]:
     out = verify_sampled(proposed, q, p, torch.tensor(uniforms), torch.Generator().manual_seed(seed))
     return out.accepted, out.next_token
@@ -128,12 +136,12 @@ class Pipeline:
         self.params, self.eos, self.k, self.bug = params, eos, k, bug
         self._draft, self._round, self._target = {}, {}, {}
 
-    def dist(self, salt: int, history: tuple, rows_proposed: tuple = ()) -> torch.Tensor:
-        """[n, V] probabilities after history + proposed[:i] for i < n = len(proposed) + 1."""
-        logits = torch.stack([toy_logits(salt, history + rows_proposed[:i])
-                              for i in range(len(rows_proposed) + 1)])
+    def dist(self, salt: int, history: tuple, proposed: tuple = ()) -> torch.Tensor:
+        """[n, V] probabilities after history + proposed[:i] for i < n = len(proposed) + 1, all
+        rows processed in one call, as the verify worker does."""
+        logits = torch.stack([toy_logits(salt, history + proposed[:i]) for i in range(len(proposed) + 1)])
         return probabilities(process(logits, list(history), len(PROMPT), self.params, self.eos,
-                                     list(rows_proposed)), self.params)
+                                     list(proposed)), self.params)
 
     def target_row(self, history: tuple) -> torch.Tensor:
         if history not in self._target:
