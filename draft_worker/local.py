@@ -12,8 +12,9 @@ from verify_worker.engine import STOP_NONE, VerifyEngine
 
 
 def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
-              k: int) -> tuple[list[int], int, int]:
-    """Returns (generated tokens, drafted, accepted)."""
+              k: int, reports: list | None = None) -> tuple[list[int], int, int]:
+    """Returns (generated tokens, drafted, accepted); appends the tokens' logprob reports to
+    `reports` when given (params must ask for them)."""
     s = engine.open("local", prompt, params)
     engine.prefill(s)
     state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
@@ -28,6 +29,8 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
             dists = [wire.support_to_proto(ids, probs) for ids, probs in draft.support]
             q = wire.dense_draft_probs(dists, len(tokens), engine.model.vocab_size)
         v = engine.verify(s, tokens, q)
+        if reports is not None:
+            reports += v.logprobs or ()
         drafted += len(tokens)
         accepted += v.accepted
     return s.tokens[len(prompt):], drafted, accepted

@@ -131,7 +131,7 @@ async def test_greedy_with_penalty_equals_transformers(stack, oracle, method, pe
     assert (drafted > 0) == (method != "none")
 
 
-@pytest.mark.parametrize("method", ["model", "ngram"])
+@pytest.mark.parametrize("method", ["model", "ngram", "none"])
 async def test_logprobs_ranks_top_and_prompt_logprobs_equal_transformers(stack, oracle, method):
     model, tok = oracle
     for prompt in PROMPTS:

@@ -1,5 +1,6 @@
 """A real pretrained model (SmolLM2-135M-Instruct, fetched as a preset): greedy speculative output
-equals the model's own greedy decode, with the n-gram drafter and with the model as its own draft."""
+equals the model's own greedy decode, with the n-gram drafter and with the model as its own draft;
+with a repetition penalty it equals transformers' generate, logprobs included."""
 
 import pytest
 
@@ -31,3 +32,31 @@ def test_real_model_greedy_is_lossless(smollm, method, k):
         assert out == reference(model, ids, params), prompt
         accepted_total += accepted
     assert accepted_total > 0
+
+
+def test_real_model_penalty_and_logprobs_equal_transformers(smollm):
+    """Speculative greedy decoding with repetition_penalty 1.2 against transformers' generate on a
+    model loaded apart from the service's (whose linears are repacked): the same tokens, and each
+    token's raw logprob within 1e-3 of output_logits'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.modeling import resolve
+    model, tok = smollm
+    oracle = AutoModelForCausalLM.from_pretrained(resolve(PRESET), dtype=torch.float32).eval()
+    engine = VerifyEngine(model)
+    params = SamplingParams(max_new_tokens=40, repetition_penalty=1.2, logprobs=True)
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        reports: list = []
+        out, drafted, _ = speculate(engine, NgramDrafter(), ids, params, 4, reports)
+        with torch.no_grad():
+            ref = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=40, repetition_penalty=1.2, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+        want = ref.sequences[0, len(ids):].tolist()
+        assert out == want[:len(out)] and len(out) == len(want) - (want[-1] in model.eos_ids), prompt
+        logp = torch.log_softmax(torch.cat(ref.logits)[:len(out)].float(), dim=-1)
+        errors = [abs(r.logprob - float(row[t])) for r, row, t in zip(reports, logp, out)]
+        assert len(errors) == len(out) and max(errors) < 1e-3, max(errors)
+        assert drafted > 0
