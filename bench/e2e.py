@@ -3,7 +3,11 @@ through transformers' in-process assisted generation with the same models, inter
 
 Also measures one verify round's overhead (gRPC, serialization, bookkeeping) with tiny models:
 the same generation through the service and through the same engine in one process.
-Prints a table and writes JSON to bench/results/.
+
+And the cost of request parameters (bench/params.py): per-token information and a penalty, with
+speculation on and off.
+
+Prints tables and writes JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.report import machine, write_json
+from bench.params import parameters, print_parameters
+from bench.report import machine, summarize, timed_generate, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -31,13 +36,7 @@ PROMPTS = [
 
 
 def service_run(stub, prompt: str, method: str, k: int, n: int) -> dict:
-    req = build_request(prompt, chat=True, max_new_tokens=n, method=method, k=k)
-    start = time.perf_counter()
-    r = stub.Generate(req, timeout=1800)
-    wall = time.perf_counter() - start
-    u = r.usage
-    return {"tokens": u.generated_tokens, "seconds": wall, "tok_s": u.generated_tokens / wall,
-            "drafted": u.draft_tokens, "accepted": u.accepted_tokens, "rounds": u.verify_rounds, "text": r.text}
+    return timed_generate(stub, build_request(prompt, chat=True, max_new_tokens=n, method=method, k=k))[0]
 
 
 def step_ms(model, tok, prompt: str = "def fib(n):" * 16, repeats: int = 7) -> float:
@@ -74,18 +73,6 @@ def hf_run(target, draft, tok, prompt: str, n: int) -> dict:
     gen = out.shape[1] - ids.shape[1]
     return {"tokens": gen, "seconds": wall, "tok_s": gen / wall,
             "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
-
-
-def summarize(runs: list[dict]) -> dict:
-    rates = [r["tok_s"] for r in runs]
-    drafted = sum(r.get("drafted", 0) for r in runs)
-    accepted = sum(r.get("accepted", 0) for r in runs)
-    rounds = sum(r.get("rounds", 0) for r in runs)
-    tokens = sum(r["tokens"] for r in runs)
-    return {"tok_s_median": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
-            "tok_s_total": tokens / sum(r["seconds"] for r in runs),
-            "acceptance": accepted / drafted if drafted else None,
-            "mean_accepted_length": tokens / rounds if rounds else None, "runs": len(runs)}
 
 
 def _metric_sums(url: str, names: list[str]) -> dict[str, float]:
@@ -149,50 +136,85 @@ def overhead(rounds_tokens: int = 96) -> dict:
             "in_process_round_ms": 1000 * statistics.median(local[2:])}
 
 
+SECTIONS = ("overhead", "models", "params")
+FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2}
+QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="bench.e2e", description=__doc__)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--prompts", type=int, default=len(PROMPTS))
+    p.add_argument("--max-new-tokens", type=int, help=f"per request (default {FULL['max_new_tokens']})")
+    p.add_argument("--prompts", type=int, help=f"use the first N prompts (default {FULL['prompts']})")
     p.add_argument("-k", type=int, default=16, help="speculative tokens per round, an upper bound (model)")
     p.add_argument("--ngram-k", type=int, default=16)
     p.add_argument("--draft-dtype", default="int8", help="the draft worker's --dtype")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
     p.add_argument("--skip-models", action="store_true", help="only the overhead measurement")
+    p.add_argument("--only", action="append", choices=SECTIONS,
+                   help="run only this section (repeatable; default: all of " + ", ".join(SECTIONS) + ")")
+    p.add_argument("--params-spec", choices=["model", "ngram"],
+                   help="parameters: the speculation measured against none (default: model, or ngram "
+                        "with --draft none)")
+    p.add_argument("--params-prompts", choices=["e2e", "edit"], default="e2e",
+                   help="parameters: this file's prompts (write new code), or bench.load's (edit the code "
+                        "in the prompt: where n-gram drafting helps)")
+    p.add_argument("--params-repeats", type=int,
+                   help=f"parameters: passes over the prompts (default {FULL['params_repeats']})")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
     a = p.parse_args(argv)
+    for key, value in (QUICK if a.quick else FULL).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    sections = {"overhead"} if a.skip_models else set(a.only or SECTIONS)
 
-    result: dict = {"machine": machine(),
-                    "overhead": overhead()}
-    o = result["overhead"]
-    print(f"verify-round overhead (tiny models, k=4): in-band median {o['in_band_ms_median']:.2f} ms "
-          f"({o['in_band_ms_min']:.2f}-{o['in_band_ms_max']:.2f}); end to end median {o['overhead_ms_median']:.2f} ms "
-          f"(service {o['service_round_ms']:.2f} ms/round vs in-process {o['in_process_round_ms']:.2f} ms/round)",
-          flush=True)
-    if not a.skip_models:
+    result: dict = {"machine": machine(), "sections": [s for s in SECTIONS if s in sections]}
+    if "overhead" in sections:
+        result["overhead"] = overhead()
+        o = result["overhead"]
+        print(f"verify-round overhead (tiny models, k=4): in-band median {o['in_band_ms_median']:.2f} ms "
+              f"({o['in_band_ms_min']:.2f}-{o['in_band_ms_max']:.2f}); end to end median {o['overhead_ms_median']:.2f} ms "
+              f"(service {o['service_round_ms']:.2f} ms/round vs in-process {o['in_process_round_ms']:.2f} ms/round)",
+              flush=True)
+    if sections & {"models", "params"}:
         import transformers
-        from transformers import AutoModelForCausalLM
-        from tandem.gemm import pack_linears
-        from tandem.modeling import load_tokenizer, load_weights, resolve
         torch.set_num_threads(a.threads)
-        tok = load_tokenizer(a.target)
-        configs = [("none", 0), ("model", a.k), ("ngram", a.ngram_k)]
-        runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted",
-                                                       "hf_assisted_int8", "hf_assisted_int8_packed"]}
+        spec = a.params_spec or ("model" if a.draft != "none" else "ngram")
         result["setup"] = {"target": a.target, "draft": a.draft, "draft_dtype": a.draft_dtype, "k": a.k,
                            "ngram_k": a.ngram_k,
                            "max_new_tokens": a.max_new_tokens, "threads_per_process": a.threads,
                            "transformers": transformers.__version__, "prompts": PROMPTS[:a.prompts]}
-        with Stack(a.target, a.draft, threads=a.threads, draft_args=["--dtype", a.draft_dtype]) as stack, \
+        draft_args = ["--dtype", a.draft_dtype] if a.draft != "none" else []
+        with Stack(a.target, a.draft, threads=a.threads, draft_args=draft_args) as stack, \
                  grpc.insecure_channel(stack.address("gateway")) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            service_run(stub, "warm up", "model", a.k, 8)
-            service_run(stub, "warm up", "none", 0, 8)
-            for prompt in PROMPTS[:a.prompts]:
-                for method, k in configs:
-                    runs[method].append(service_run(stub, prompt, method, k, a.max_new_tokens))
-                    print(f"  {method:6s} {runs[method][-1]['tok_s']:.2f} tok/s", flush=True)
+            if "models" in sections:
+                configs = [("none", 0), ("model", a.k), ("ngram", a.ngram_k)]
+                runs: dict[str, list] = {name: [] for name in ["none", "model", "ngram", "hf_plain", "hf_assisted",
+                                                               "hf_assisted_int8", "hf_assisted_int8_packed"]}
+                service_run(stub, "warm up", "model", a.k, 8)
+                service_run(stub, "warm up", "none", 0, 8)
+                for prompt in PROMPTS[:a.prompts]:
+                    for method, k in configs:
+                        runs[method].append(service_run(stub, prompt, method, k, a.max_new_tokens))
+                        print(f"  {method:6s} {runs[method][-1]['tok_s']:.2f} tok/s", flush=True)
+            if "params" in sections:
+                print("parameters:", flush=True)
+                if a.params_prompts == "edit":
+                    from bench.load import PROMPTS as params_prompts
+                else:
+                    params_prompts = PROMPTS
+                result["parameters"] = parameters(stub, params_prompts[:a.prompts], spec,
+                                                  a.k if spec == "model" else a.ngram_k, a.max_new_tokens,
+                                                  a.params_repeats)
+    if "models" in sections:
+        from transformers import AutoModelForCausalLM
+        from tandem.gemm import pack_linears
+        from tandem.modeling import load_tokenizer, load_weights, resolve
+        tok = load_tokenizer(a.target)
         # The service's processes are stopped now, so the in-process runs get the cores to themselves.
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
         draft = AutoModelForCausalLM.from_pretrained(resolve(a.draft), dtype=torch.float32).eval()
@@ -235,6 +257,8 @@ def main(argv=None) -> None:
         print(f"decode step: target {steps['target']:.0f} ms, draft {steps['draft']:.0f} ms (float32), "
               f"{steps['draft_int8']:.0f} ms (int8); c = {c:.3f}; bound for the service's acceptance and "
               f"k={a.k}: {summary['model']['bound']:.2f}x")
+    if "params" in sections:
+        print_parameters(result["parameters"])
     write_json(a.out, result)
 
 

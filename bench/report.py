@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -20,3 +22,25 @@ def write_json(path: str, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+def timed_generate(stub, req) -> tuple[dict, object]:
+    start = time.perf_counter()
+    r = stub.Generate(req, timeout=1800)
+    wall = time.perf_counter() - start
+    u = r.usage
+    return {"tokens": u.generated_tokens, "seconds": wall, "tok_s": u.generated_tokens / wall,
+            "drafted": u.draft_tokens, "accepted": u.accepted_tokens, "rounds": u.verify_rounds,
+            "text": r.text}, r
+
+
+def summarize(runs: list[dict]) -> dict:
+    rates = [r["tok_s"] for r in runs]
+    drafted = sum(r.get("drafted", 0) for r in runs)
+    accepted = sum(r.get("accepted", 0) for r in runs)
+    rounds = sum(r.get("rounds", 0) for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    return {"tok_s_median": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
+            "tok_s_total": tokens / sum(r["seconds"] for r in runs),
+            "acceptance": accepted / drafted if drafted else None,
+            "mean_accepted_length": tokens / rounds if rounds else None, "runs": len(runs)}
