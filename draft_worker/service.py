@@ -17,6 +17,7 @@ from draft_worker.controller import Survival, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter
 from tandem import logs, metrics, telemetry, wire
 from tandem.batcher import Batcher
+from tandem.sampling import SamplingError
 from tandem.server import InferenceThread
 from tandem.server import channel as traced_channel
 from tandem.v1 import internal_pb2 as pb
@@ -71,7 +72,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         if not request.verify_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "verify_address is required")
         logs.session_id.set(request.session_id)
-        params = wire.params_from_proto(request.sampling)
+        try:
+            params = wire.check_params(wire.params_from_proto(request.sampling))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = list(request.prompt_ids)
         call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining(),
                                                                 metadata=logs.outgoing_metadata())
@@ -161,6 +165,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         except grpc.aio.AioRpcError as e:
             # Marked, so the gateway moves the session off that verify worker, not off this one.
             await self._relay(context, request.verify_address, e.code(), e.details())
+        except SamplingError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.InvalidStateError:
             # The verify stream ended (its worker died or stopped) while a proposal was being written.
             code = await call.code()

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from tandem.logprobs import MAX_TOP_LOGPROBS
-from tandem.sampling import SamplingParams
+from tandem.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 DRAFT_METHODS = ("model", "ngram", "none")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -53,6 +53,8 @@ def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: flo
     """Validates sampling fields; 0 for max_new_tokens and top_p means 'use the default'."""
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}")
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 = disabled), got {top_k}")
     if top_p == 0:
@@ -100,9 +102,9 @@ def check_processing(limits: Limits, params: SamplingParams, *, typical_p: float
     if not 0 < typical_p <= 1:
         raise InvalidRequest(f"typical_p must be in (0, 1] (0 = off), got {typical_p}")
     repetition_penalty = finite("repetition_penalty", repetition_penalty) or 1.0
-    if not 0 < repetition_penalty <= limits.max_repetition_penalty:
-        raise InvalidRequest(f"repetition_penalty must be in (0, {limits.max_repetition_penalty:g}] "
-                             f"(0 or 1 = off), got {repetition_penalty}")
+    if not MIN_REPETITION_PENALTY <= repetition_penalty <= limits.max_repetition_penalty:
+        raise InvalidRequest(f"repetition_penalty must be between {MIN_REPETITION_PENALTY:g} and "
+                             f"{limits.max_repetition_penalty:g} (0 or 1 = off), got {repetition_penalty}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not -2 <= finite(name, value) <= 2:
             raise InvalidRequest(f"{name} must be between -2 and 2, got {value}")

@@ -20,7 +20,15 @@ import torch
 
 # The length penalty multiplies the end-of-sequence score by at most this much more: past it the
 # score is beyond any other anyway, and an unbounded power overflows.
-MAX_LENGTH_BOOST = 1e30
+MAX_LENGTH_BOOST = 1e10
+# The smallest temperature and repetition penalty a request may set: the logits are divided by
+# them, and far smaller ones overflow float32 logits to infinity.
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 1e-3
+
+
+class SamplingError(ValueError):
+    """The processed distribution holds no finite probability mass: the request, not the worker, is at fault."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(drop, float("-inf"))
     if params.typical_p < 1.0:
         x = _typical(x, params.typical_p)
-    return torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise SamplingError("the sampling parameters leave no finite distribution to sample from")
+    return probs
 
 
 def _typical(x: torch.Tensor, mass: float) -> torch.Tensor:

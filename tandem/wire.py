@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tandem.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from tandem.sampling import SamplingParams
+from tandem.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
 # Trailing metadata a draft worker adds when its verify stream broke: the gateway then blames the
@@ -35,14 +35,15 @@ def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
 def check_params(p: SamplingParams) -> SamplingParams:
     """p, or ValueError saying which field cannot work. The gateway validates what clients send;
     this guards a worker against a peer that did not."""
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise ValueError(f"sampling.temperature must be finite and >= 0, got {p.temperature}")
+    if not math.isfinite(p.temperature) or not (p.temperature == 0 or p.temperature >= MIN_TEMPERATURE):
+        raise ValueError(f"sampling.temperature must be 0 or at least {MIN_TEMPERATURE:g}, got {p.temperature}")
     if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
         raise ValueError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
     if not math.isfinite(p.typical_p) or not 0 < p.typical_p <= 1:
         raise ValueError(f"sampling.typical_p must be in (0, 1], got {p.typical_p}")
-    if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
-        raise ValueError(f"sampling.repetition_penalty must be finite and > 0, got {p.repetition_penalty}")
+    if not math.isfinite(p.repetition_penalty) or p.repetition_penalty < MIN_REPETITION_PENALTY:
+        raise ValueError(f"sampling.repetition_penalty must be finite and at least {MIN_REPETITION_PENALTY:g}, "
+                         f"got {p.repetition_penalty}")
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(p, name)):
             raise ValueError(f"sampling.{name} must be finite, got {getattr(p, name)}")

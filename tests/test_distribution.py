@@ -269,3 +269,13 @@ def test_speculative_matches_target(name):
     assert stats[None] < 1, stats
     for bug in bugs:
         assert stats[bug] > 1, (bug, stats)
+
+
+def test_no_finite_distribution_is_the_requests_fault():
+    """Logits that processing overflowed raise SamplingError (a ValueError: workers answer
+    INVALID_ARGUMENT), never a multinomial crash deep in a worker."""
+    from tandem.sampling import SamplingError
+    logits = torch.tensor([[float("inf"), 1.0, 2.0]])
+    with pytest.raises(SamplingError):
+        probabilities(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(probabilities(torch.tensor([[0.0, 1.0, 2.0]]), SamplingParams(temperature=1.0)).sum(), torch.tensor(1.0))
