@@ -489,6 +489,18 @@ def tgis_params(method=tgis_pb.GREEDY, max_new_tokens: int = 4) -> tgis_pb.Param
     return p
 
 
+def both_calls(stack, native: pb.GenerateRequest | None = None, tgis: tgis_pb.Parameters | None = None) -> list:
+    """Generate and GenerateStream of one request: native, or TGIS parameters on GOOD_PROMPT with
+    speculation asked for in the metadata."""
+    if native is not None:
+        return [lambda: stack.tandem.Generate(native, timeout=60), lambda: stack.tandem.GenerateStream(native, timeout=60)]
+    text = tgis_pb.GenerationRequest(text=GOOD_PROMPT)
+    return [lambda: stack.tgis.Generate(tgis_pb.BatchedGenerationRequest(requests=[text], params=tgis),
+                                        metadata=SPEC_MD, timeout=60),
+            lambda: stack.tgis.GenerateStream(tgis_pb.SingleGenerationRequest(request=text, params=tgis),
+                                              metadata=SPEC_MD, timeout=60)]
+
+
 SPEC_MD = (("x-tandem-draft-method", "model"), ("x-tandem-num-speculative-tokens", "3"))
 
 
@@ -534,18 +546,13 @@ async def test_each_new_field_hostile_is_invalid_argument_beside_a_good_stream(m
             req.sampling.length_penalty.start_index = 2
         on_request = field in ("truncate_input_tokens", "logprobs.top_logprobs")
         set_path(req, field if on_request else "sampling." + field, value)
-        calls = [lambda: module_stack.tandem.Generate(req, timeout=60),
-                 lambda: module_stack.tandem.GenerateStream(req, timeout=60)]
+        calls = both_calls(module_stack, native=req)
     else:
         p = tgis_params(tgis_pb.SAMPLE if "sampling" in field else tgis_pb.GREEDY)
         if "length_penalty" in field:
             p.decoding.length_penalty.start_index = 2
         set_path(p, field.removeprefix("params."), value)
-        text = tgis_pb.GenerationRequest(text=GOOD_PROMPT)
-        calls = [lambda: module_stack.tgis.Generate(tgis_pb.BatchedGenerationRequest(requests=[text], params=p),
-                                                    metadata=SPEC_MD, timeout=60),
-                 lambda: module_stack.tgis.GenerateStream(tgis_pb.SingleGenerationRequest(request=text, params=p),
-                                                          metadata=SPEC_MD, timeout=60)]
+        calls = both_calls(module_stack, tgis=p)
     got, good = await beside_a_good_stream(module_stack, lambda: statuses(calls))
     for code, details in got:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
@@ -678,16 +685,11 @@ async def test_extreme_valid_values_are_served_or_refused_never_fail_a_worker(ow
     if face == "tandem":
         req = build_request(GOOD_PROMPT, max_new_tokens=4, temperature=0.8, seed=7, method="model", k=3)
         setattr(req.sampling, field, value)
-        calls = [lambda: own_stack.tandem.Generate(req, timeout=60),
-                 lambda: own_stack.tandem.GenerateStream(req, timeout=60)]
+        calls = both_calls(own_stack, native=req)
     else:
         p = tgis_params(tgis_pb.SAMPLE)
         set_path(p, field.removeprefix("params."), value)
-        text = tgis_pb.GenerationRequest(text=GOOD_PROMPT)
-        calls = [lambda: own_stack.tgis.Generate(tgis_pb.BatchedGenerationRequest(requests=[text], params=p),
-                                                 metadata=SPEC_MD, timeout=60),
-                 lambda: own_stack.tgis.GenerateStream(tgis_pb.SingleGenerationRequest(request=text, params=p),
-                                                       metadata=SPEC_MD, timeout=60)]
+        calls = both_calls(own_stack, tgis=p)
     got, good = await beside_a_good_stream(own_stack, lambda: statuses(calls))
     for code, details in got:
         named = field.rsplit(".", 1)[-1] in details       # TGIS names temperature without its path
