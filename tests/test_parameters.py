@@ -5,7 +5,7 @@ raw `output_logits` for logprobs. Presence and frequency penalties have no trans
 they are written below as one, from OpenAI's formula.
 
 Logprobs are compared to 1e-3: the service's batched kernels (packed GEMM, paged attention) sum in
-another order than transformers' eager forward, and differ by about 1e-5 here.
+another order than transformers' eager forward, so equality cannot be exact (README: Parameters).
 """
 
 from __future__ import annotations
