@@ -77,6 +77,7 @@ def hf_run(target, draft, tok, prompt: str, n: int) -> dict:
 
 def _metric_sums(url: str, names: list[str]) -> dict[str, float]:
     from urllib.request import urlopen
+
     from prometheus_client.parser import text_string_to_metric_families
     text = urlopen(url, timeout=10).read().decode()
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names}
@@ -90,9 +91,9 @@ def overhead(rounds_tokens: int = 96) -> dict:
       gateway and any slowdown of the models' Python code in server processes; noisy when the
       machine is shared."""
     from draft_worker.drafters import ModelDrafter
-    from draft_worker.local import speculate
-    from tandem.modeling import CausalLM, load_tokenizer
-    from tandem.sampling import SamplingParams
+    from tests.local import speculate
+    from tandem.engine.modeling import CausalLM, load_tokenizer
+    from tandem.speculation.sampling import SamplingParams
     from tandem.testing import build_tiny_pair
     from verify_worker.engine import VerifyEngine
 
@@ -212,13 +213,14 @@ def main(argv=None) -> None:
                                                   a.params_repeats)
     if "models" in sections:
         from transformers import AutoModelForCausalLM
-        from tandem.gemm import pack_linears
-        from tandem.modeling import load_tokenizer, load_weights, resolve
+
+        from tandem.engine.gemm import pack_linears
+        from tandem.engine.modeling import load_tokenizer, load_weights, resolve
         tok = load_tokenizer(a.target)
         # The service's processes are stopped now, so the in-process runs get the cores to themselves.
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
         draft = AutoModelForCausalLM.from_pretrained(resolve(a.draft), dtype=torch.float32).eval()
-        # the draft worker's own int8 weights (tandem.modeling), so both sides run the same draft
+        # the draft worker's own int8 weights (tandem.engine.modeling), so both sides run the same draft
         draft_int8 = load_weights(resolve(a.draft), "int8", "cpu")
         hf_run(target, draft, tok, "warm up", 8)
         hf_run(target, draft_int8, tok, "warm up", 8)
@@ -229,7 +231,7 @@ def main(argv=None) -> None:
             print(f"  hf     {runs['hf_plain'][-1]['tok_s']:.2f} / assisted {runs['hf_assisted'][-1]['tok_s']:.2f}"
                   f" / assisted, int8 draft {runs['hf_assisted_int8'][-1]['tok_s']:.2f} tok/s", flush=True)
         steps = {"target": step_ms(target, tok), "draft": step_ms(draft, tok), "draft_int8": step_ms(draft_int8, tok)}
-        # The service multiplies several rows with oneDNN on packed weights (tandem.gemm); the same
+        # The service multiplies several rows with oneDNN on packed weights (tandem.engine.gemm); the same
         # for transformers' target shows how much of the difference is that kernel alone.
         pack_linears(target)
         for prompt in PROMPTS[:a.prompts]:

@@ -64,9 +64,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
-
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report import machine, write_json
 from tandem.client import build_request

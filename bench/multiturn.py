@@ -23,8 +23,8 @@ import grpc
 
 from bench.report import machine, write_json
 from tandem.client import build_request
+from tandem.cluster.redis_conn import RedisServer
 from tandem.launch import Stack
-from tandem.redis_conn import RedisServer
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 TEXT = ("def merge(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"

@@ -26,7 +26,7 @@ import time
 import torch
 
 from bench.report import machine, write_json
-from tandem.modeling import CausalLM
+from tandem.engine.modeling import CausalLM
 
 
 def acceptance_through(accept: list[float], k: int) -> list[float]:

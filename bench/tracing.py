@@ -22,8 +22,8 @@ import grpc
 
 from bench.report import machine, write_json
 from tandem.client import build_request
+from tandem.cluster.redis_conn import RedisServer
 from tandem.launch import Stack
-from tandem.redis_conn import RedisServer
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 PROMPT = "def add(a, b):\n    return a + b\nfor i in range(10):\n"
@@ -33,7 +33,10 @@ class SpanSink:
     """An OTLP trace receiver that only counts what it is sent (a collector's cheapest case)."""
 
     def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
 
         sink = self
 
@@ -65,7 +68,11 @@ def span_vs_event(n: int = 20000) -> dict:
     """Microseconds per verify-round record: a child span with the round's attributes (batch
     processor, exporter that drops) against one event with the same attributes."""
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
 
     class Drop(SpanExporter):
         def export(self, spans):

@@ -9,12 +9,21 @@ import time
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
-from tandem.batcher import Batcher
-from tandem.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags, add_worker_flags,
-                           check_kv_flags, check_worker_flags)
-from tandem.modeling import CausalLM, vocab_mismatch
-from tandem.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, service_from_args, setup_observability
+from tandem.cluster.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
+from tandem.engine.batcher import Batcher
+from tandem.engine.modeling import CausalLM, vocab_mismatch
+from tandem.engine.thread import InferenceThread
+from tandem.service import metrics
+from tandem.service.config import (
+    add_common_flags,
+    add_flag,
+    add_kv_flags,
+    add_model_flags,
+    add_worker_flags,
+    check_kv_flags,
+    check_worker_flags,
+)
+from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("draft_worker")
@@ -49,7 +58,7 @@ async def main(args: argparse.Namespace) -> None:
     eos_ids: list[int] = []
     vocab_size = None
     batcher = None
-    inference = InferenceThread("draft")
+    inference = InferenceThread("draft", metrics.queue_gauge("draft"))
     if args.model and args.model != "none":
         if args.target_model:
             problem = vocab_mismatch(args.target_model, args.model)

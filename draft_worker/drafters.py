@@ -15,9 +15,19 @@ from typing import Protocol
 
 import torch
 
-from tandem.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix
-from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams, make_generator, probabilities, process
+from tandem.engine.kvpool import (
+    KVPoolFull,
+    SessionCache,
+    common_prefix,
+    copy_longest_prefix,
+)
+from tandem.engine.modeling import CausalLM
+from tandem.speculation.sampling import (
+    SamplingParams,
+    make_generator,
+    probabilities,
+    process,
+)
 
 # A sampled draft distribution is cut to its most likely tokens before sampling from it, so
 # the wire carries at most this many (id, prob) pairs per position. Lossless all the same: the

@@ -15,11 +15,11 @@ import grpc
 
 from draft_worker.controller import Survival, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter
-from tandem import logs, metrics, telemetry, wire
-from tandem.batcher import Batcher
-from tandem.sampling import SamplingError
-from tandem.server import InferenceThread
-from tandem.server import channel as traced_channel
+from tandem.engine.batcher import Batcher
+from tandem.engine.thread import InferenceThread
+from tandem.service import logs, metrics, telemetry, wire
+from tandem.service.server import channel as traced_channel
+from tandem.speculation.sampling import SamplingError
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 

@@ -15,12 +15,17 @@ from gateway.request import Limits
 from gateway.routing import RedisRouter, StaticRouter
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
-from tandem.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
-from tandem.modeling import context_length, load_tokenizer, resolve
-from tandem.redis_conn import connect, redacted
-from tandem.registry import Registry
-from tandem.server import service_from_args, setup_observability
-from tandem.sessions import SessionStore
+from tandem.cluster.redis_conn import connect, redacted
+from tandem.cluster.registry import Registry
+from tandem.cluster.sessions import SessionStore
+from tandem.engine.modeling import context_length, load_tokenizer, resolve
+from tandem.service.config import (
+    add_common_flags,
+    add_flag,
+    add_redis_flag,
+    checked_redis_url,
+)
+from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("gateway")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from tandem.sessions import DONE, SessionRecord, SessionStore
+from tandem.cluster.sessions import DONE, SessionRecord, SessionStore
 
 log = logging.getLogger(__name__)
 

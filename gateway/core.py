@@ -15,7 +15,7 @@ from gateway.conversation import Conversations, SessionBusy, SessionUnavailable,
 from gateway.request import GenRequest, InvalidRequest
 from gateway.routing import Route, Router, RoutingError
 from gateway.text import IncrementalDetokenizer, StopMatcher
-from tandem import logs, metrics, telemetry, wire
+from tandem.service import logs, metrics, telemetry, wire
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 
@@ -56,7 +56,7 @@ class Usage:
 @dataclass(frozen=True)
 class TokenReport:
     """One token as a client sees it: id, text as the tokenizer decodes it alone, and what the
-    target's raw distribution said of it when the request asked (tandem/logprobs.py)."""
+    target's raw distribution said of it when the request asked (tandem/speculation/logprobs.py)."""
     token_id: int
     text: str
     logprob: float | None = None        # None: not asked, or the first prompt token (nothing before it)

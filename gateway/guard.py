@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.interceptors import rewrap
+from tandem.service.interceptors import rewrap
 
 log = logging.getLogger(__name__)
 

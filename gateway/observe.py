@@ -15,7 +15,7 @@ import grpc
 
 from gateway.core import Delta, Final, GatewayError
 from gateway.request import GenRequest, InvalidRequest
-from tandem import logs, metrics, telemetry
+from tandem.service import logs, metrics, telemetry
 
 log = logging.getLogger("gateway.requests")
 

@@ -6,8 +6,12 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from tandem.logprobs import MAX_TOP_LOGPROBS
-from tandem.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
+from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
+from tandem.speculation.sampling import (
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
 DRAFT_METHODS = ("model", "ngram", "none")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import grpc
 from redis.exceptions import RedisError
 
-from tandem.redis_conn import redacted
-from tandem.registry import DRAFT, VERIFY, Registry, WorkerInfo
-from tandem import metrics, telemetry
-from tandem.server import channel as open_channel
+from tandem.cluster.redis_conn import redacted
+from tandem.cluster.registry import DRAFT, VERIFY, Registry, WorkerInfo
+from tandem.service import metrics, telemetry
+from tandem.service.server import channel as open_channel
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.config import add_flag
-from tandem.redis_conn import RedisServer, ensure_redis, free_port, redacted
+from tandem.cluster.redis_conn import RedisServer, ensure_redis, free_port, redacted
+from tandem.service.config import add_flag
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TlsF
 @dataclass
 class Stack:
     """Verify workers, draft workers and a gateway as processes on loopback ports, coordinated
-    through Redis: `redis_url`, or else (see tandem.redis_conn.ensure_redis) REDIS_URL, a server on
+    through Redis: `redis_url`, or else (see tandem.cluster.redis_conn.ensure_redis) REDIS_URL, a server on
     127.0.0.1:6379, or a private redis-server that stop() also stops."""
 
     target: str

@@ -19,7 +19,7 @@ def tiny_pair(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_models(tiny_pair):
-    from tandem.modeling import CausalLM
+    from tandem.engine.modeling import CausalLM
     target, draft = tiny_pair
     return CausalLM(str(target)), CausalLM(str(draft))
 
@@ -27,7 +27,7 @@ def tiny_models(tiny_pair):
 @pytest.fixture(scope="module")
 def redis_server():
     """A private redis-server on a free loopback port for one test module: never shared data."""
-    from tandem.redis_conn import RedisServer
+    from tandem.cluster.redis_conn import RedisServer
     server = RedisServer().start()
     yield server
     server.stop()

@@ -24,13 +24,13 @@ from pathlib import Path
 import grpc
 import redis
 
-from draft_worker.local import reference
+from tests.local import reference
 from tandem.client import build_request
+from tandem.cluster.redis_conn import RedisServer
+from tandem.cluster.registry import DRAFT, VERIFY, Registry
+from tandem.engine.modeling import CausalLM
 from tandem.launch import Stack
-from tandem.modeling import CausalLM
-from tandem.redis_conn import RedisServer
-from tandem.registry import DRAFT, VERIFY, Registry
-from tandem.sampling import SamplingParams
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
@@ -162,7 +162,7 @@ def check_leaks(stack: Stack, redis_url: str, report: Report, timeout: float = 2
 
 
 async def _prune(redis_url: str) -> None:
-    from tandem.redis_conn import connect
+    from tandem.cluster.redis_conn import connect
     client = connect(redis_url)
     try:
         for pool in (VERIFY, DRAFT):
@@ -224,6 +224,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench/results/soak.json")
     a = p.parse_args(argv)
     import torch
+
     from tandem.testing import build_tiny_pair
     torch.set_num_threads(1)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-soak-"))

@@ -19,15 +19,16 @@ from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
 from fmaas import generation_pb2_grpc as fmaas_grpc
 from gateway.core import GenerationCore
-from gateway.routing import StaticRouter
 from gateway.request import Limits
+from gateway.routing import StaticRouter
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
-from tandem.batcher import Batcher
-from tandem.modeling import CausalLM
-from tandem import logs, metrics, telemetry
-from tandem.interceptors import MalformedRequestInterceptor
-from tandem.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, InferenceThread, message_options
+from tandem.engine.batcher import Batcher
+from tandem.engine.modeling import CausalLM
+from tandem.engine.thread import InferenceThread
+from tandem.service import logs, metrics, telemetry
+from tandem.service.interceptors import MalformedRequestInterceptor
+from tandem.service.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, message_options
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
 from tandem.v1 import internal_pb2_grpc as internal_grpc
@@ -81,7 +82,7 @@ async def wait_until_idle(stack: InProcessStack, timeout: float = 5.0) -> tuple[
 
 async def _serve(add, entry: bool = False, guard=None, max_message_bytes: int = MAX_MESSAGE_BYTES
                  ) -> tuple[grpc.aio.Server, str]:
-    # The services' own interceptors, in their order (tandem.server.Service): the gateway's guard,
+    # The services' own interceptors, in their order (tandem.service.server.Service): the gateway's guard,
     # malformed requests, tracing (when a test turned it on) and request ids.
     interceptors = [*([guard] if guard else []), MalformedRequestInterceptor(),
                     *telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]

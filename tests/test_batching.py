@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draft_worker.local import reference
-from tandem.batcher import Batcher
+from tests.local import reference
 from tandem.client import build_request
-from tandem.kvpool import ForwardBatch, KVPool, KVPoolFull, SessionCache
+from tandem.engine.batcher import Batcher
+from tandem.engine.kvpool import ForwardBatch, KVPool, KVPoolFull, SessionCache
+from tandem.engine.modeling import CausalLM
+from tandem.engine.thread import InferenceThread
 from tandem.launch import Stack
-from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams
-from tandem.server import InferenceThread
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc

@@ -2,7 +2,12 @@
 
 import pytest
 
-from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
+from draft_worker.controller import (
+    SpeculationController,
+    Survival,
+    controller_for,
+    plain_instead,
+)
 from tests.stack import stack  # noqa: F401  (the fixture)
 
 PLAIN_MS = 600.0         # one plain round, as the verify worker measured it
@@ -293,9 +298,10 @@ async def test_a_losing_draft_decodes_in_plain_runs_through_the_service(stack, t
     """Through real gRPC: when plain rounds measure faster (the worker claims a 1 µs plain pass), the
     draft worker backs off and asks for its plain rounds as runs; the output stays the target's."""
     from transformers import AutoTokenizer
-    from draft_worker.local import reference
+
+    from tests.local import reference
     from tandem.client import build_request
-    from tandem.sampling import SamplingParams
+    from tandem.speculation.sampling import SamplingParams
     model, draft = stack.verify.engine.model, stack.draft
     runs, send = [], draft._verify_round
 

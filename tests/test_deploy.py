@@ -235,8 +235,8 @@ def module_constant(path: str, name: str) -> float:
 def test_termination_grace_outlasts_pre_stop_notice_and_drain(charts, overlays):
     # After SIGTERM a service reports NOT_SERVING for a short notice, then drains; a worker first
     # leaves the Redis registry, which takes up to a connect plus a command timeout when Redis is down.
-    notice = module_constant("tandem/server.py", "DRAIN_NOTICE_S")
-    deregister = 2 * module_constant("tandem/redis_conn.py", "TIMEOUT_S")
+    notice = module_constant("tandem/service/server.py", "DRAIN_NOTICE_S")
+    deregister = 2 * module_constant("tandem/cluster/redis_conn.py", "TIMEOUT_S")
     longer = render_chart({"graceSeconds": 45, "preStopSleepSeconds": 8})
     for name, docs in {**all_renders(charts, overlays), "helm:grace 45": longer}.items():
         for pool, deployment in pool_deployments(docs).items():
@@ -485,7 +485,7 @@ def service_flags() -> dict[str, set[str]]:
                 and getattr(call.func, "id", None) == "add_flag" and len(call.args) > 1
                 and isinstance(call.args[1], ast.Constant)}
 
-    config = ast.parse((ROOT / "tandem" / "config.py").read_text())
+    config = ast.parse((ROOT / "tandem" / "service" / "config.py").read_text())
     shared = {f.name: flags_in(f) for f in config.body if isinstance(f, ast.FunctionDef)}
     result = {}
     for pool, module in POOLS.items():

@@ -34,8 +34,8 @@ from itertools import accumulate
 import pytest
 import torch
 
-from tandem.sampling import SamplingParams, probabilities, process
-from tandem.verification import Outcome, verify_sampled
+from tandem.speculation.sampling import SamplingParams, probabilities, process
+from tandem.speculation.verification import Outcome, verify_sampled
 
 # ---------------------------------------------------------------------------------------------
 # Part 1: exact cases with k >= 3
@@ -274,7 +274,7 @@ def test_speculative_matches_target(name):
 def test_no_finite_distribution_is_the_requests_fault():
     """Logits that processing overflowed raise SamplingError (a ValueError: workers answer
     INVALID_ARGUMENT), never a multinomial crash deep in a worker."""
-    from tandem.sampling import SamplingError
+    from tandem.speculation.sampling import SamplingError
     logits = torch.tensor([[float("inf"), 1.0, 2.0]])
     with pytest.raises(SamplingError):
         probabilities(logits, SamplingParams(temperature=1.0))

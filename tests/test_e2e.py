@@ -3,14 +3,14 @@
 import grpc
 import pytest
 
+from tests.local import reference
 from tandem.client import build_request
 from tandem.launch import Stack
-from tandem.sampling import SamplingParams
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
-from draft_worker.local import reference
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from draft_worker.local import reference
+from tests.local import reference
 from tandem.client import build_request
 from tandem.launch import Stack
-from tandem.sampling import SamplingParams
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
@@ -175,7 +175,7 @@ def test_sigterm_drains_in_flight_stream_and_deregisters(cluster, expected, redi
 def test_stream_outliving_the_drain_moves_instead_of_failing(tiny_pair, expected):
     """A verify worker stopped with a grace shorter than the stream cuts it at the end of its drain:
     the gateway moves the session, as for a crash, and the output is still the uninterrupted one."""
-    from tandem.redis_conn import RedisServer
+    from tandem.cluster.redis_conn import RedisServer
     target, draft = tiny_pair
     own_redis = RedisServer().start()
     try:

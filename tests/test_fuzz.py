@@ -20,12 +20,12 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draft_worker.local import reference
+from tests.local import reference
 from fmaas import generation_pb2 as tgis_pb
 from gateway.guard import ClientGuard, TokenSet
 from gateway.request import Limits
 from tandem.client import build_request
-from tandem.sampling import MIN_REPETITION_PENALTY, SamplingParams
+from tandem.speculation.sampling import MIN_REPETITION_PENALTY, SamplingParams
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tests.stack import live_sessions, start_stack, stop_stack, wait_until_idle

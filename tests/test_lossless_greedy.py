@@ -3,8 +3,8 @@
 import pytest
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tandem.sampling import SamplingParams
-from draft_worker.local import reference, speculate
+from tests.local import reference, speculate
+from tandem.speculation.sampling import SamplingParams
 from verify_worker.engine import VerifyEngine
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox", "Grüße 🙂"]

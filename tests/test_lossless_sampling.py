@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tandem.sampling import SamplingParams, probabilities
-from draft_worker.local import speculate
+from tests.local import speculate
+from tandem.speculation.sampling import SamplingParams, probabilities
 from verify_worker.engine import VerifyEngine
 
 N_SAMPLES = 1500

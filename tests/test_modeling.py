@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from draft_worker.drafters import ModelDrafter
-from draft_worker.local import reference, speculate
-from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams
+from tests.local import reference, speculate
+from tandem.engine.modeling import CausalLM
+from tandem.speculation.sampling import SamplingParams
 from verify_worker.engine import VerifyEngine
 
 
@@ -130,7 +130,7 @@ def test_no_padding_past_the_context_window(tiny_pair):
 
 
 def test_packed_linear_matches_the_stock_kernel():
-    from tandem.gemm import PackedLinear
+    from tandem.engine.gemm import PackedLinear
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     packed = PackedLinear(linear)
@@ -142,7 +142,7 @@ def test_packed_linear_matches_the_stock_kernel():
 
 
 def test_packing_swaps_float32_linears_only(tiny_pair):
-    from tandem.gemm import PackedLinear
+    from tandem.engine.gemm import PackedLinear
     packed, stock = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]), packed_gemm=False)
     assert packed.packed and not stock.packed
     kinds = {type(m) for m in packed.model.modules()}

@@ -12,14 +12,17 @@ from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem import metrics, telemetry
 from tandem.client import build_request
 from tandem.launch import Stack
-from tandem.logs import REQUEST_ID_KEY
+from tandem.service import metrics, telemetry
+from tandem.service.logs import REQUEST_ID_KEY
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tests.stack import start_stack, stop_stack, wait_until_idle
 
@@ -94,7 +97,9 @@ def check_one_connected_trace(spans: list[dict], usage) -> dict[str, dict]:
 
 @pytest.fixture
 async def traced_stack(tiny_pair):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
     exporter = InMemorySpanExporter()
     telemetry.setup("tandem-test", exporter=exporter)
     target, draft = tiny_pair
@@ -180,13 +185,13 @@ def test_tracing_off_installs_nothing():
 
 
 def test_inference_queue_depth_gauge():
-    from tandem.server import InferenceThread
+    from tandem.engine.thread import InferenceThread
     gate = threading.Event()
 
     metrics.register("draft_worker")
 
     async def main():
-        thread = InferenceThread("draft")
+        thread = InferenceThread("draft", metrics.queue_gauge("draft"))
         base = REGISTRY.get_sample_value("tandem_draft_queue_depth")
         jobs = [asyncio.ensure_future(thread.run(gate.wait)) for _ in range(3)]
         await asyncio.sleep(0.1)

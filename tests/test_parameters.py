@@ -15,7 +15,12 @@ import math
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from fmaas import generation_pb2 as fm
 from tandem.v1 import generation_pb2 as tpb

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from tandem import presets
-from tandem.presets import PRESETS, ChecksumError, Preset, assemble_gguf, cache_dir, resolve_model
+from tandem.presets import (
+    PRESETS,
+    ChecksumError,
+    Preset,
+    assemble_gguf,
+    cache_dir,
+    resolve_model,
+)
 
 
 def _fake_preset(tmp_path: Path, parts: list[bytes], digest: str | None = None) -> Preset:

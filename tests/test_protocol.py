@@ -6,8 +6,8 @@ import math
 import grpc
 import pytest
 
-from draft_worker.local import reference
-from tandem.sampling import SamplingParams
+from tests.local import reference
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from tests.stack import stack  # noqa: F401  (the fixture)

@@ -5,9 +5,9 @@ with a repetition penalty it equals transformers' generate, logprobs included.""
 import pytest
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from draft_worker.local import reference, speculate
-from tandem.modeling import CausalLM, load_tokenizer
-from tandem.sampling import SamplingParams
+from tests.local import reference, speculate
+from tandem.engine.modeling import CausalLM, load_tokenizer
+from tandem.speculation.sampling import SamplingParams
 from verify_worker.engine import VerifyEngine
 
 PRESET = "smollm2-135m-instruct"
@@ -41,7 +41,7 @@ def test_real_model_penalty_and_logprobs_equal_transformers(smollm):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.modeling import resolve
+    from tandem.engine.modeling import resolve
     model, tok = smollm
     oracle = AutoModelForCausalLM.from_pretrained(resolve(PRESET), dtype=torch.float32).eval()
     engine = VerifyEngine(model)

@@ -4,14 +4,15 @@ import asyncio
 import json
 
 import pytest
-from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tandem.kvpool import KVPool, SessionCache
-from tandem.redis_conn import RedisServer, check_url, connect, redacted
-from tandem import registry
-from tandem.registry import DRAFT, VERIFY, Heartbeat, Registry, WorkerInfo
-from tandem.sampling import SamplingParams
-from tandem.sessions import SessionRecord, SessionStore
+from tandem.cluster import registry
+from tandem.cluster.redis_conn import RedisServer, check_url, connect, redacted
+from tandem.cluster.registry import DRAFT, VERIFY, Heartbeat, Registry, WorkerInfo
+from tandem.cluster.sessions import SessionRecord, SessionStore
+from tandem.engine.kvpool import KVPool, SessionCache
+from tandem.speculation.sampling import SamplingParams
 from verify_worker.engine import TargetSession
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 
@@ -139,7 +140,7 @@ def test_keeper_reuses_evicts_least_recent_and_refuses_what_cannot_fit():
 
 
 def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(monkeypatch, redis_server):
-    from tandem import redis_conn
+    from tandem.cluster import redis_conn
     monkeypatch.setenv("REDIS_URL", redis_server.url)
     assert redis_conn.ensure_redis() == (redis_server.url, None)
     monkeypatch.delenv("REDIS_URL")

@@ -12,13 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from draft_worker.local import reference
+from tests.local import reference
 from fmaas import generation_pb2 as tgis_pb
 from fmaas import generation_pb2_grpc as tgis_grpc
 from tandem.client import build_request
+from tandem.cluster.redis_conn import RedisServer, free_port
 from tandem.launch import Stack
-from tandem.redis_conn import RedisServer, free_port
-from tandem.sampling import SamplingParams
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
@@ -205,6 +205,7 @@ def test_a_service_without_an_explicit_transport_refuses_to_start(args, message)
 
 def test_command_line_client_speaks_tls_with_a_token(stack, pki):
     import io
+
     from tandem import client
     last = client.run(stack.address("gateway"), "def f(x):", out=io.StringIO(), ca_file=pki["service"].ca,
                       server_name=SERVER_NAME, token=TOKEN, max_new_tokens=4)

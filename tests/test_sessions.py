@@ -9,10 +9,10 @@ import grpc
 import pytest
 import redis
 
-from draft_worker.local import reference
+from tests.local import reference
 from tandem.client import build_request
 from tandem.launch import Stack
-from tandem.sampling import SamplingParams
+from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 BUDGET = 300     # KV tokens per verify worker
@@ -112,6 +112,7 @@ def test_unknown_session_id_starts_a_new_session(gateway):
 
 def test_chat_later_turn_closes_the_answer_and_skips_the_default_system_prompt(tiny_pair):
     from transformers import AutoTokenizer
+
     from gateway.core import GenerationCore
     from gateway.routing import StaticRouter
     from tandem.testing import CHAT_TEMPLATE

@@ -2,7 +2,7 @@
 
 import torch
 
-from tandem.verification import verify_greedy, verify_sampled
+from tandem.speculation.verification import verify_greedy, verify_sampled
 
 
 def logits_for(choices: list[int], vocab: int = 5) -> torch.Tensor:

@@ -7,13 +7,21 @@ import asyncio
 import logging
 import time
 
-from tandem import metrics
-from tandem.batcher import Batcher
-from tandem.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags, add_worker_flags,
-                           check_kv_flags, check_worker_flags)
-from tandem.modeling import CausalLM
-from tandem.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
-from tandem.server import InferenceThread, service_from_args, setup_observability
+from tandem.cluster.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
+from tandem.engine.batcher import Batcher
+from tandem.engine.modeling import CausalLM
+from tandem.engine.thread import InferenceThread
+from tandem.service import metrics
+from tandem.service.config import (
+    add_common_flags,
+    add_flag,
+    add_kv_flags,
+    add_model_flags,
+    add_worker_flags,
+    check_kv_flags,
+    check_worker_flags,
+)
+from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
 from verify_worker.kvstore import SessionKeeper
@@ -50,7 +58,7 @@ async def main(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.admission_timeout < 0:
         raise SystemExit(f"--admission-timeout must be >= 0, got {args.admission_timeout}")
-    inference = InferenceThread("verify")
+    inference = InferenceThread("verify", metrics.queue_gauge("verify"))
 
     def load() -> CausalLM:
         model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,

@@ -9,11 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kvpool import common_prefix, copy_longest_prefix
-from tandem.modeling import CausalLM, SessionCache
-from tandem.logprobs import TokenLogprob, logprobs_of
-from tandem.sampling import SamplingParams, make_generator, probabilities, process
-from tandem.verification import verify_greedy, verify_sampled
+from tandem.engine.kvpool import common_prefix, copy_longest_prefix
+from tandem.engine.modeling import CausalLM, SessionCache
+from tandem.speculation.logprobs import TokenLogprob, logprobs_of
+from tandem.speculation.sampling import (
+    SamplingParams,
+    make_generator,
+    probabilities,
+    process,
+)
+from tandem.speculation.verification import verify_greedy, verify_sampled
 
 STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
 

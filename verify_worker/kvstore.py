@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from tandem import metrics, telemetry
+from tandem.service import metrics, telemetry
 from verify_worker.engine import TargetSession
 
 

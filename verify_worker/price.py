@@ -29,7 +29,6 @@ fitted line serves.
 
 from __future__ import annotations
 
-
 # A position's cost is the mean over this many more positions per session: proposals run to a few
 # positions, and the curve's local slope swings with its knee and its noise (at 16 sessions, 1.6 ms
 # between 16 and 32 positions, 3.8 ms between 32 and 64, 1.8 ms beyond), so that a one-position

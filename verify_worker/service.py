@@ -8,12 +8,12 @@ from functools import partial
 
 import grpc
 
-from tandem import logs, metrics, telemetry, wire
-from tandem.batcher import Batcher, Ran
-from tandem.kvpool import KVPoolFull
+from tandem.engine.batcher import Batcher, Ran
+from tandem.engine.kvpool import KVPoolFull
+from tandem.service import logs, metrics, telemetry, wire
+from tandem.service.telemetry import round_attributes
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
-from tandem.telemetry import round_attributes
 from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice

@@ -27,7 +27,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any, type: 
 
 
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
-    from tandem.server import MAX_MESSAGE_BYTES
+    from tandem.service.server import MAX_MESSAGE_BYTES
     add_flag(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_flag(parser, "--port", default=default_port, type=int, help="gRPC port")
     add_flag(parser, "--health-port", default=0, type=int,
@@ -52,14 +52,14 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default
 
 
 def add_redis_flag(parser: argparse.ArgumentParser) -> None:
-    from tandem.redis_conn import DEFAULT_URL, default_url
+    from tandem.cluster.redis_conn import DEFAULT_URL, default_url
     add_flag(parser, "--redis-url", default=default_url(),
              help=f"Redis for the worker registry and sessions; REDIS_URL also sets it (default {DEFAULT_URL})")
 
 
 def checked_redis_url(url: str) -> str:
     """--redis-url, or exit with what is wrong with it (before any model is loaded)."""
-    from tandem.redis_conn import check_url
+    from tandem.cluster.redis_conn import check_url
     try:
         return check_url(url)
     except ValueError as e:
@@ -68,7 +68,7 @@ def checked_redis_url(url: str) -> str:
 
 def check_worker_flags(args: argparse.Namespace) -> None:
     """Exits with a clear message on registry and TLS flags that cannot work, before any model is loaded."""
-    from tandem.tls import tls_from_args
+    from tandem.service.tls import tls_from_args
     checked_redis_url(args.redis_url)
     tls_from_args(args)
     if not args.heartbeat_seconds > 0:

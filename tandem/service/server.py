@@ -1,22 +1,20 @@
-"""What every Tandem service shares: an aio gRPC server with health and reflection, one inference
-thread, logging, tracing and metrics, and a graceful stop on SIGTERM/SIGINT."""
+"""What every Tandem service shares: an aio gRPC server with health and reflection, logging,
+tracing and metrics, and a graceful stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem import logs, metrics, telemetry
-from tandem.interceptors import MalformedRequestInterceptor
-from tandem.tls import TlsConfig
+from tandem.service import logs, metrics, telemetry
+from tandem.service.interceptors import MalformedRequestInterceptor
+from tandem.service.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,60 +61,11 @@ def channel(address: str) -> grpc.aio.Channel:
 def service_from_args(service_names: list[str], args, *, entry: bool = False,
                       guard: grpc.aio.ServerInterceptor | None = None) -> "Service":
     """The Service for a process's common flags (add_common_flags); its channels follow the same TLS."""
-    from tandem.tls import tls_from_args
+    from tandem.service.tls import tls_from_args
     tls = tls_from_args(args)
     use_tls(tls)
     return Service(service_names, entry=entry, metrics_host=args.host, metrics_port=args.metrics_port, tls=tls,
                    max_message_bytes=args.max_message_bytes, guard=guard, health_port=args.health_port)
-
-
-class InferenceThread:
-    """Model work runs here, one job at a time, never on the event loop.
-
-    Every torch op of a worker process belongs on this one thread, model loading and calibration
-    included: each thread that runs a parallel op gets its own OpenMP team, and two teams sharing
-    the cores made every forward pass of the draft model about 1.6x slower on a 2-core machine."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._waiting = 0         # jobs submitted and not yet started: the queue depth
-        self._gauge = metrics.queue_gauge(name)
-
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        return (await self.run_timed(fn, *args))[0]
-
-    async def run_timed(self, fn: Callable[..., T], *args) -> tuple[T, float]:
-        """(result, seconds the job ran), its wait in the queue excluded."""
-        job = _Job(fn, args, self)
-        self._move(+1)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, job)
-        finally:
-            if not job.started:          # cancelled while waiting: it never left the queue
-                self._move(-1)
-
-    def _move(self, n: int) -> None:
-        # Changed on the event loop and on the inference thread; += on an int is atomic under the GIL.
-        self._waiting += n
-        if self._gauge is not None:
-            self._gauge.inc(n)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _Job:
-    """One call to run on the inference thread; it leaves the queue when it starts."""
-
-    def __init__(self, fn: Callable, args: tuple, owner: InferenceThread) -> None:
-        self.fn, self.args, self.owner, self.started = fn, args, owner, False
-
-    def __call__(self):
-        self.started = True
-        self.owner._move(-1)
-        t0 = time.perf_counter()
-        result = self.fn(*self.args)
-        return result, time.perf_counter() - t0
 
 
 class Service:

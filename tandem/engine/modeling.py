@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tandem import gemm
-from tandem.kvpool import ATTENTION, ForwardBatch, KVPool, SessionCache
+from tandem.engine import gemm
+from tandem.engine.kvpool import ATTENTION, ForwardBatch, KVPool, SessionCache
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import uuid
 
 import grpc
 
-from tandem import telemetry
-from tandem.interceptors import rewrap
+from tandem.service import telemetry
+from tandem.service.interceptors import rewrap
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_REQUEST_ID = 128

@@ -163,5 +163,5 @@ def advertise_address(host: str, port: int, override: str = "") -> str:
 def heartbeat_for(args, describe: Callable[[], WorkerInfo]) -> Heartbeat:
     """A worker's heartbeat from its flags (--redis-url, --heartbeat-seconds). An unreachable Redis
     is logged, not fatal: the worker serves anyway and is announced once Redis answers."""
-    from tandem.redis_conn import connect
+    from tandem.cluster.redis_conn import connect
     return Heartbeat(Registry(connect(args.redis_url)), describe, args.heartbeat_seconds)

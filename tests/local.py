@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from draft_worker.drafters import Drafter
 from draft_worker.service import plan_k
-from tandem import wire
-from tandem.modeling import CausalLM
-from tandem.sampling import SamplingParams, choose, make_generator, process
+from tandem.engine.modeling import CausalLM
+from tandem.service import wire
+from tandem.speculation.sampling import SamplingParams, choose, make_generator, process
 from verify_worker.engine import STOP_NONE, VerifyEngine
 
 

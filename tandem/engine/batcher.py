@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.kvpool import KVPoolFull, SessionCache
-from tandem.modeling import CausalLM
-from tandem.server import InferenceThread
+from tandem.engine.kvpool import KVPoolFull, SessionCache
+from tandem.engine.modeling import CausalLM
+from tandem.engine.thread import InferenceThread
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
 
-from tandem.registry import PREFIX
+from tandem.cluster.registry import PREFIX
 
 RUNNING, DONE = "running", "done"   # a turn in flight also holds session-lock:{id}
 

@@ -1,0 +1,1 @@
+"""Coordination through Redis: the worker registry and session records."""

@@ -1,0 +1,1 @@
+"""What every service shares: gRPC servers and channels, interceptors, TLS, flags, logs, metrics, traces, and the internal wire format."""
