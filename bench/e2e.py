@@ -91,10 +91,10 @@ def overhead(rounds_tokens: int = 96) -> dict:
       gateway and any slowdown of the models' Python code in server processes; noisy when the
       machine is shared."""
     from draft_worker.drafters import ModelDrafter
-    from tests.local import speculate
     from tandem.engine.modeling import CausalLM, load_tokenizer
     from tandem.speculation.sampling import SamplingParams
     from tandem.testing import build_tiny_pair
+    from tests.local import speculate
     from verify_worker.engine import VerifyEngine
 
     root = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))

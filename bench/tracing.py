@@ -33,10 +33,7 @@ class SpanSink:
     """An OTLP trace receiver that only counts what it is sent (a collector's cheapest case)."""
 
     def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1 import (
-            trace_service_pb2,
-            trace_service_pb2_grpc,
-        )
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
         sink = self
 
@@ -68,11 +65,7 @@ def span_vs_event(n: int = 20000) -> dict:
     """Microseconds per verify-round record: a child span with the round's attributes (batch
     processor, exporter that drops) against one event with the same attributes."""
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (
-        BatchSpanProcessor,
-        SpanExporter,
-        SpanExportResult,
-    )
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     class Drop(SpanExporter):
         def export(self, spans):

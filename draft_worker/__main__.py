@@ -14,15 +14,8 @@ from tandem.engine.batcher import Batcher
 from tandem.engine.modeling import CausalLM, vocab_mismatch
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics
-from tandem.service.config import (
-    add_common_flags,
-    add_flag,
-    add_kv_flags,
-    add_model_flags,
-    add_worker_flags,
-    check_kv_flags,
-    check_worker_flags,
-)
+from tandem.service.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags,
+                                   add_worker_flags, check_kv_flags, check_worker_flags)
 from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 

@@ -15,19 +15,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.kvpool import (
-    KVPoolFull,
-    SessionCache,
-    common_prefix,
-    copy_longest_prefix,
-)
+from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.modeling import CausalLM
-from tandem.speculation.sampling import (
-    SamplingParams,
-    make_generator,
-    probabilities,
-    process,
-)
+from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
 
 # A sampled draft distribution is cut to its most likely tokens before sampling from it, so
 # the wire carries at most this many (id, prob) pairs per position. Lossless all the same: the
@@ -55,7 +45,8 @@ class DraftState(Protocol):
 
 class Drafter(Protocol):
     name: str
-    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState: ...
+    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
+              room: int = proposal_room()) -> DraftState: ...
 
 
 class ModelDrafter:
@@ -78,10 +69,12 @@ class ModelDrafter:
         self._kept: OrderedDict[int, tuple[list[int], SessionCache]] = OrderedDict()
         self._lock = threading.Lock()           # start() runs on the event loop, the rest on the inference thread
 
-    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
+    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
+              room: int = proposal_room()) -> DraftState:
+        """room: beyond the prompt and output, what the verify worker's largest proposal takes."""
         while True:
             try:
-                state = _ModelDraftState(self, params, eos_ids, prompt_len)
+                state = _ModelDraftState(self, params, eos_ids, prompt_len, room)
                 break
             except KVPoolFull:
                 if not self._drop_kept():
@@ -117,12 +110,13 @@ class ModelDrafter:
 
 
 class _ModelDraftState:
-    def __init__(self, drafter: ModelDrafter, params: SamplingParams, eos_ids: list[int], prompt_len: int):
+    def __init__(self, drafter: ModelDrafter, params: SamplingParams, eos_ids: list[int], prompt_len: int,
+                 room: int):
         self.drafter, self.model = drafter, drafter.model
         self.params, self.eos_ids, self.prompt_len = params, eos_ids, prompt_len
         self.confidence = drafter.confidence
-        # room for the whole generation and one proposal past it; it grows if a turn needs more
-        self.cache = self.model.new_cache(prompt_len + params.max_new_tokens + 17)
+        # what the target reserves too; it grows if a turn needs more (a pipelined proposal)
+        self.cache = self.model.new_cache(kv_need(prompt_len, params.max_new_tokens, room, self.model.max_context))
         self.cached: list[int] = []              # token ids whose KV is in self.cache
         self.generator = make_generator(params.seed, stream=1)
 
@@ -205,7 +199,8 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int) -> DraftState:
+    def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
+              room: int = proposal_room()) -> DraftState:
         return self
 
     def propose(self, context: list[int], k: int) -> Draft:

@@ -16,6 +16,7 @@ import grpc
 from draft_worker.controller import Survival, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter
 from tandem.engine.batcher import Batcher
+from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.service.server import channel as traced_channel
@@ -88,7 +89,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"draft model vocabulary ({self.vocab_size}) does not match the "
                                     f"target's ({opened.vocab_size})")
-            state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt))
+            state = self.sessions[id(context)] = drafter.start(params, self.eos_ids, len(prompt),
+                                                                   proposal_room(opened.max_proposal))
             tokens = list(prompt)
             cached = opened.cached_tokens        # reported once, on the first chunk
             prompt_reports = opened.prompt_logprobs

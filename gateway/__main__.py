@@ -19,12 +19,7 @@ from tandem.cluster.redis_conn import connect, redacted
 from tandem.cluster.registry import Registry
 from tandem.cluster.sessions import SessionStore
 from tandem.engine.modeling import context_length, load_tokenizer, resolve
-from tandem.service.config import (
-    add_common_flags,
-    add_flag,
-    add_redis_flag,
-    checked_redis_url,
-)
+from tandem.service.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
 from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 

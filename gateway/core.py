@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import AsyncIterator
 
 import grpc
@@ -15,6 +16,7 @@ from gateway.conversation import Conversations, SessionBusy, SessionUnavailable,
 from gateway.request import GenRequest, InvalidRequest
 from gateway.routing import Route, Router, RoutingError
 from gateway.text import IncrementalDetokenizer, StopMatcher
+from tandem.engine.kvpool import kv_need
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
@@ -211,16 +213,16 @@ class _Run:
         failed: set[str] = set()
         router = self.core.router
         while True:
+            # the KV the verify worker reserves for the rest of this request (prompt_ids hold the
+            # delivered tokens' place: they are prompt to the next worker after a move)
+            need = partial(kv_need, len(self.turn.prompt_ids), self.req.params.max_new_tokens,
+                           max_context=self.core.max_context)
             try:
-                need = self._need()
                 self.route = await router.route(self.req.method, self.turn.affinity, failed, need)
             except RoutingError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.usage.draft_method = self.route.method
-            busy = [self.route.verify, *([self.route.draft] if self.route.draft else [])]
-            reserved = {self.route.verify: need}
-            router.inflight.update(busy)
-            router.reserved.update(reserved)
+            router.hold(self.route)
             try:
                 async for delta in self._attempt():
                     yield delta
@@ -240,12 +242,7 @@ class _Run:
                 log.warning("session %s: %s; moving it after %d delivered tokens (migration %d)",
                             self.turn.session_id, lost.message, len(self.delivered), self.usage.migrations)
             finally:
-                router.inflight.subtract(busy)
-                router.reserved.subtract(reserved)
-
-    def _need(self) -> int:
-        """KV positions the verify worker reserves for the rest of this request."""
-        return min(len(self.turn.prompt_ids) + self.req.params.max_new_tokens, self.core.max_context)
+                router.release(self.route)
 
     async def _attempt(self) -> AsyncIterator[Delta]:
         """Streams from one pair of workers, continuing after the tokens already delivered."""

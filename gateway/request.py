@@ -7,11 +7,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
-from tandem.speculation.sampling import (
-    MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
-    SamplingParams,
-)
+from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
 DRAFT_METHODS = ("model", "ngram", "none")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -15,6 +16,7 @@ from redis.exceptions import RedisError
 
 from tandem.cluster.redis_conn import redacted
 from tandem.cluster.registry import DRAFT, VERIFY, Registry, WorkerInfo
+from tandem.engine.kvpool import proposal_room
 from tandem.service import metrics, telemetry
 from tandem.service.server import channel as open_channel
 
@@ -30,6 +32,11 @@ class Route:
     verify: str
     draft: str | None          # None: the verify worker decodes alone
     method: str                # what runs: "model", "ngram" or "none"
+    kv: int = 0                # KV positions the session reserves on its verify worker
+
+
+def no_kv(room: int) -> int:
+    return 0
 
 
 class Router:
@@ -64,17 +71,31 @@ class Router:
         return at is None or time.monotonic() - at > self.suspect_seconds
 
     async def route(self, method: str, affinity: str = "", exclude: frozenset[str] | set[str] = frozenset(),
-                    need: int = 0) -> Route:
-        """need: KV positions the session will reserve on its verify worker."""
+                    need: Callable[[int], int] = no_kv) -> Route:
+        """need(room): KV positions the session will reserve on a verify worker that keeps `room`
+        positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths)."""
         verify = await self.pick_verify(affinity, set(exclude), need)
         draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
         if method != "none" and draft is None:
             log.warning("no %s draft worker available; decoding with the target alone", method)
             metrics.FALLBACKS.labels(method).inc()
             telemetry.event("fallback", {"tandem.draft_method.requested": method, "tandem.verify_worker": verify})
-        return Route(verify, draft, method if draft else "none")
+        return Route(verify, draft, method if draft else "none", need(self.room(verify)))
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+    def hold(self, route: Route) -> None:
+        """Counts a stream on its workers and its KV reservation until release()."""
+        self.inflight.update([route.verify, *([route.draft] if route.draft else [])])
+        self.reserved[route.verify] += route.kv
+
+    def release(self, route: Route) -> None:
+        self.inflight.subtract([route.verify, *([route.draft] if route.draft else [])])
+        self.reserved[route.verify] -= route.kv
+
+    def room(self, verify: str) -> int:
+        """The proposal room a verify worker keeps per session."""
+        return proposal_room()
+
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
         raise NotImplementedError
 
     async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
@@ -98,7 +119,7 @@ class StaticRouter(Router):
         usable = [a for a in addresses if self._usable(a, exclude)]
         return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
         if affinity in self.verify and self._usable(affinity, exclude):
             return affinity
         address = self._least_busy(self.verify, exclude)
@@ -119,6 +140,7 @@ class RedisRouter(Router):
         self.registry = registry
         self.model = model
         self.redis_url = redacted(redis_url)
+        self._rooms: dict[str, int] = {}     # verify worker -> its registered proposal room
 
     async def _workers(self, pool: str) -> list[WorkerInfo]:
         try:
@@ -132,14 +154,18 @@ class RedisRouter(Router):
         return min(workers, key=lambda w: (w.load + self.inflight[w.address], random.random()),
                    default=None)
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: int = 0) -> str:
+    def room(self, verify: str) -> int:
+        return self._rooms.get(verify, proposal_room())
+
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
         workers = [w for w in await self._workers(VERIFY) if w.model == self.model]
+        self._rooms.update((w.address, w.kv_margin) for w in workers)
         usable = [w for w in workers if self._usable(w.address, exclude)]
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
         # even before the one holding the session's cache; if none has room, the least loaded one
         # answers for itself (RESOURCE_EXHAUSTED if it is still full).
         usable = [w for w in usable
-                  if not w.capacity or w.kv_free - self.reserved[w.address] >= need + w.kv_margin] or usable
+                  if not w.capacity or w.kv_free - self.reserved[w.address] >= need(w.kv_margin)] or usable
         for w in usable:
             if w.address == affinity:
                 return w.address

@@ -8,17 +8,8 @@ import grpc
 
 from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport
 from gateway.observe import OP_CHAT, OP_TEXT
-from gateway.request import (
-    GenRequest,
-    InvalidRequest,
-    Limits,
-    check_processing,
-    check_reports,
-    check_sampling,
-    check_session_id,
-    check_speculation,
-    truncate,
-)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 

@@ -21,17 +21,8 @@ from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
 from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage
 from gateway.observe import OP_TEXT
-from gateway.request import (
-    GenRequest,
-    InvalidRequest,
-    Limits,
-    check_processing,
-    check_reports,
-    check_sampling,
-    check_session_id,
-    check_speculation,
-    truncate,
-)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 
 log = logging.getLogger(__name__)
 

@@ -162,13 +162,13 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(client):
     for address, load, free in (("x:1", 0, 20), ("y:1", 2, 300), ("z:1", 1, 300)):
         await reg.register(WorkerInfo(address, VERIFY, "m", capacity=300, load=load, kv_free=free), ttl=5)
     await reg.register(WorkerInfo("other:1", VERIFY, "another-model"), ttl=5)
-    assert await router.pick_verify("x:1", set(), need=10) == "x:1"            # its cache is there
-    assert await router.pick_verify("x:1", set(), need=100) == "z:1"           # no room there: least loaded
-    assert await router.pick_verify("", {"z:1"}, need=100) == "y:1"
-    assert await router.pick_verify("", set(), need=400) == "x:1"              # room nowhere: least loaded
-    assert await router.pick_verify("other:1", set(), need=1) != "other:1"     # never another model
+    assert await router.pick_verify("x:1", set(), need=lambda room: 10 + room) == "x:1"            # its cache is there
+    assert await router.pick_verify("x:1", set(), need=lambda room: 100 + room) == "z:1"           # no room there: least loaded
+    assert await router.pick_verify("", {"z:1"}, need=lambda room: 100 + room) == "y:1"
+    assert await router.pick_verify("", set(), need=lambda room: 400 + room) == "x:1"              # room nowhere: least loaded
+    assert await router.pick_verify("other:1", set(), need=lambda room: 1 + room) != "other:1"     # never another model
     router.failed("x:1")
-    assert await router.pick_verify("x:1", set(), need=10) == "z:1"            # just failed: skipped
+    assert await router.pick_verify("x:1", set(), need=lambda room: 10 + room) == "z:1"            # just failed: skipped
     await reg.register(WorkerInfo("d:1", DRAFT, "", methods=["ngram"]), ttl=5)
     assert await router.pick_draft("ngram", set()) == "d:1"                    # model-free drafting
     assert await router.pick_draft("model", set()) is None
@@ -183,8 +183,8 @@ async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
     # 110 free fits a 100-token request only without the 17 positions that worker keeps for a proposal
     await reg.register(WorkerInfo("tight:1", VERIFY, "m", capacity=300, load=0, kv_free=110, kv_margin=17), ttl=5)
     await reg.register(WorkerInfo("room:1", VERIFY, "m", capacity=300, load=3, kv_free=120, kv_margin=17), ttl=5)
-    assert await router.pick_verify("tight:1", set(), need=100) == "room:1"
-    assert await router.pick_verify("tight:1", set(), need=90) == "tight:1"
+    assert await router.pick_verify("tight:1", set(), need=lambda room: 100 + room) == "room:1"
+    assert await router.pick_verify("tight:1", set(), need=lambda room: 90 + room) == "tight:1"
 
 
 async def test_registry_skips_fields_it_does_not_know(client):
@@ -204,9 +204,9 @@ async def test_router_counts_its_own_reservations_before_the_next_heartbeat(clie
     router = RedisRouter(reg, "m", "redis://test")
     await reg.register(WorkerInfo("full:1", VERIFY, "m", capacity=300, load=0, kv_free=50), ttl=5)
     await reg.register(WorkerInfo("room:1", VERIFY, "m", capacity=300, load=0, kv_free=300), ttl=5)
-    assert await router.pick_verify("", set(), need=200) == "room:1"
+    assert await router.pick_verify("", set(), need=lambda room: 200 + room) == "room:1"
     # A first request now holds 200 positions there; the registry still says 300 free. Room is
     # nowhere for a second one, so it goes by load, and this gateway's stream makes room:1 busier.
     router.reserved["room:1"] += 200
     router.inflight["room:1"] += 1
-    assert await router.pick_verify("", set(), need=200) == "full:1"
+    assert await router.pick_verify("", set(), need=lambda room: 200 + room) == "full:1"

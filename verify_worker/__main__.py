@@ -9,18 +9,12 @@ import time
 
 from tandem.cluster.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.engine.batcher import Batcher
+from tandem.engine.kvpool import MAX_PROPOSAL, proposal_room
 from tandem.engine.modeling import CausalLM
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics
-from tandem.service.config import (
-    add_common_flags,
-    add_flag,
-    add_kv_flags,
-    add_model_flags,
-    add_worker_flags,
-    check_kv_flags,
-    check_worker_flags,
-)
+from tandem.service.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags,
+                                   add_worker_flags, check_kv_flags, check_worker_flags)
 from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
@@ -34,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="verify_worker", description=__doc__)
     add_common_flags(parser, default_port=50052, default_metrics_port=9091)
     add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
-    add_flag(parser, "--max-proposal", default=16, type=int, help="largest k accepted per round")
+    add_flag(parser, "--max-proposal", default=MAX_PROPOSAL, type=int, help="largest k accepted per round")
     add_kv_flags(parser, default_tokens=32768)
     add_flag(parser, "--max-batch-tokens", default=512, type=int,
              help="most tokens (all sessions' proposals and prefill chunks) in one batched forward pass")
@@ -85,7 +79,7 @@ async def main(args: argparse.Namespace) -> None:
     def describe() -> WorkerInfo:
         return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
                           load=len(servicer.sessions), kv_free=servicer.keeper.free(),
-                          kv_margin=engine.max_proposal + 1, started_at=started)
+                          kv_margin=proposal_room(engine.max_proposal), started_at=started)
 
     heartbeat = heartbeat_for(args, describe)
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,

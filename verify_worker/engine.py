@@ -9,15 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.kvpool import common_prefix, copy_longest_prefix
+from tandem.engine.kvpool import MAX_PROPOSAL, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.modeling import CausalLM, SessionCache
 from tandem.speculation.logprobs import TokenLogprob, logprobs_of
-from tandem.speculation.sampling import (
-    SamplingParams,
-    make_generator,
-    probabilities,
-    process,
-)
+from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
 from tandem.speculation.verification import verify_greedy, verify_sampled
 
 STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
@@ -51,14 +46,13 @@ class VerdictResult:
 
 
 class VerifyEngine:
-    def __init__(self, model: CausalLM, max_proposal: int = 16) -> None:
+    def __init__(self, model: CausalLM, max_proposal: int = MAX_PROPOSAL) -> None:
         self.model = model
         self.max_proposal = max_proposal
 
     def capacity(self, prompt_len: int, params: SamplingParams) -> int:
-        """KV positions a session reserves: its prompt, every token it may generate, and one
-        proposal's worth beyond, capped at the context window."""
-        return min(prompt_len + params.max_new_tokens + self.max_proposal + 1, self.model.max_context)
+        """KV positions a session reserves here (tandem.engine.kvpool.kv_need)."""
+        return kv_need(prompt_len, params.max_new_tokens, proposal_room(self.max_proposal), self.model.max_context)
 
     def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
              reuse: TargetSession | None = None) -> TargetSession:

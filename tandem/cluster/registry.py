@@ -34,7 +34,8 @@ class WorkerInfo:
     capacity: int = 0                # KV budget in tokens (0 = not budgeted)
     load: int = 0                    # sessions being served right now
     kv_free: int = 0                 # budget tokens not held by live sessions
-    kv_margin: int = 0               # what a session reserves beyond its prompt and new tokens (a proposal's room)
+    kv_margin: int = 0               # what a session reserves beyond its prompt and new tokens: the
+                                     # room of a proposal (tandem.engine.kvpool.proposal_room)
     started_at: float = 0.0          # a restarted worker at the same address has a new value
     heartbeat_at: float = 0.0
 

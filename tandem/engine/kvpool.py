@@ -25,6 +25,22 @@ from transformers import AttentionInterface
 ATTENTION = "tandem_pool"
 
 
+MAX_PROPOSAL = 16      # the verify worker's default --max-proposal: the largest k it accepts
+
+
+def proposal_room(max_proposal: int = MAX_PROPOSAL) -> int:
+    """KV positions a session keeps beyond its prompt and output for the proposal in flight: the
+    proposed tokens and the last committed token fed with them."""
+    return max_proposal + 1
+
+
+def kv_need(prompt_len: int, max_new_tokens: int, room: int, max_context: int) -> int:
+    """KV positions a session reserves on a worker: its prompt, every token it may generate, and
+    `room` (proposal_room) for a proposal beyond them, capped at the context window. The one rule
+    the gateway routes by, the verify worker admits by and the draft worker sizes its cache by."""
+    return min(prompt_len + max_new_tokens + room, max_context)
+
+
 class KVPoolFull(Exception):
     """No run of free slots is long enough (RESOURCE_EXHAUSTED for the request that asked)."""
 

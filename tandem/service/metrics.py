@@ -17,14 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from prometheus_client import (
-    REGISTRY,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    start_http_server,
-)
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 log = logging.getLogger(__name__)
 

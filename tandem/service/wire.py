@@ -9,11 +9,7 @@ import numpy as np
 import torch
 
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from tandem.speculation.sampling import (
-    MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
-    SamplingParams,
-)
+from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
 # Trailing metadata a draft worker adds when its verify stream broke: the gateway then blames the
