@@ -18,13 +18,12 @@ from gateway.routing import Route, Router, RoutingError
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from tandem.engine.kvpool import kv_need
 from tandem.service import logs, metrics, telemetry, wire
+from tandem.speculation.finish import Finish
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 
 log = logging.getLogger(__name__)
 
-FINISH_LENGTH, FINISH_EOS, FINISH_STOP, FINISH_CONTEXT = "length", "eos", "stop_sequence", "context_length"
-_STOP_TO_FINISH = {1: FINISH_LENGTH, 2: FINISH_EOS, 3: FINISH_CONTEXT}
 _ANSWER_MARK = "\x00tandem-answer\x00"
 
 
@@ -76,7 +75,7 @@ class Delta:
 
 @dataclass
 class Final:
-    finish_reason: str
+    finish_reason: Finish
     usage: Usage
     session_id: str
     stop_sequence: str = ""
@@ -198,7 +197,7 @@ class _Run:
         self.stops = StopMatcher(req.stop_sequences)
         self.delivered: list[int] = []          # tokens handed to the client so far, in order
         self.prompt_reported = not req.prompt_details
-        self.finish = ""
+        self.finish = Finish.NONE
         self.route = Route("", None, "none")
 
     def history(self) -> list[int]:
@@ -298,16 +297,18 @@ class _Run:
         self.delivered.extend(chunk.token_ids)
         text = self.detok.add(list(chunk.token_ids))
         if chunk.stop_reason:
-            if chunk.stop_reason not in _STOP_TO_FINISH:
+            try:
+                stopped = Finish.from_wire(chunk.stop_reason)
+            except ValueError:
                 log.error("worker %s sent unknown stop reason %d", address, chunk.stop_reason)
-                raise GatewayError(grpc.StatusCode.INTERNAL, f"a worker sent unknown stop reason {chunk.stop_reason}")
+                raise GatewayError(grpc.StatusCode.INTERNAL, f"a worker sent unknown stop reason {chunk.stop_reason}") from None
             text += self.detok.flush()
         text = self.stops.feed(text)
         if self.stops.matched is not None:
-            self.finish = FINISH_STOP
+            self.finish = Finish.STOP_SEQUENCE
             text += self.stops.matched if self.req.include_stop_sequence else ""
         elif chunk.stop_reason:
-            self.finish = _STOP_TO_FINISH[chunk.stop_reason]
+            self.finish = stopped
             text += self.stops.flush()
         if not (text or chunk.token_ids or prompt_details):
             return None

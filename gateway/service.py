@@ -8,8 +8,18 @@ import grpc
 
 from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport
 from gateway.observe import OP_CHAT, OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
-                             check_sampling, check_session_id, check_speculation, truncate)
+from gateway.request import (
+    GenRequest,
+    InvalidRequest,
+    Limits,
+    check_processing,
+    check_reports,
+    check_sampling,
+    check_session_id,
+    check_speculation,
+    truncate,
+)
+from tandem.speculation.finish import Finish
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -17,8 +27,8 @@ log = logging.getLogger(__name__)
 
 _METHODS = {pb.DRAFT_METHOD_UNSPECIFIED: "", pb.DRAFT_METHOD_MODEL: "model",
             pb.DRAFT_METHOD_NGRAM: "ngram", pb.DRAFT_METHOD_NONE: "none"}
-_FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS,
-           "stop_sequence": pb.FINISH_REASON_STOP_SEQUENCE, "context_length": pb.FINISH_REASON_CONTEXT_LENGTH}
+_FINISH = {Finish.LENGTH: pb.FINISH_REASON_LENGTH, Finish.EOS: pb.FINISH_REASON_EOS,
+           Finish.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, Finish.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH}
 
 
 def usage_proto(final: Final) -> pb.Usage:

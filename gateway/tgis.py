@@ -21,8 +21,18 @@ from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
 from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage
 from gateway.observe import OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
-                             check_sampling, check_session_id, check_speculation, truncate)
+from gateway.request import (
+    GenRequest,
+    InvalidRequest,
+    Limits,
+    check_processing,
+    check_reports,
+    check_sampling,
+    check_session_id,
+    check_speculation,
+    truncate,
+)
+from tandem.speculation.finish import Finish
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +40,8 @@ MD_METHOD = "x-tandem-draft-method"
 MD_K = "x-tandem-num-speculative-tokens"
 MD_SESSION = "x-tandem-session-id"
 
-FINISH_TIME_LIMIT = "time_limit"   # decided here, not by the core: the time limit is a TGIS notion
-_STOP_REASON = {"length": pb.MAX_TOKENS, "eos": pb.EOS_TOKEN, "stop_sequence": pb.STOP_SEQUENCE,
-                "context_length": pb.TOKEN_LIMIT, FINISH_TIME_LIMIT: pb.TIME_LIMIT}
+_STOP_REASON = {Finish.LENGTH: pb.MAX_TOKENS, Finish.EOS: pb.EOS_TOKEN, Finish.STOP_SEQUENCE: pb.STOP_SEQUENCE,
+                Finish.CONTEXT_LENGTH: pb.TOKEN_LIMIT, Finish.TIME_LIMIT: pb.TIME_LIMIT}
 _GUIDED_FIELDS = ("format", "json_schema", "regex", "choice", "grammar")
 
 
@@ -176,7 +185,7 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    yield Final(FINISH_TIME_LIMIT, Usage(prompt_tokens=len(job.req.prompt_ids),
+                    yield Final(Finish.TIME_LIMIT, Usage(prompt_tokens=len(job.req.prompt_ids),
                                                          generated_tokens=generated,
                                                          draft_method=job.req.method),
                                 job.req.session_id)

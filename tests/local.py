@@ -8,7 +8,7 @@ from draft_worker.service import plan_k
 from tandem.engine.modeling import CausalLM
 from tandem.service import wire
 from tandem.speculation.sampling import SamplingParams, choose, make_generator, process
-from verify_worker.engine import STOP_NONE, VerifyEngine
+from verify_worker.engine import VerifyEngine
 
 
 def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
@@ -19,7 +19,7 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
     engine.prefill(s)
     state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
     drafted = accepted = 0
-    while s.stop_reason == STOP_NONE:
+    while not s.stop_reason:
         kk = plan_k(k, len(s.tokens), s.generated, params.max_new_tokens, engine.model.max_context,
                     engine.max_proposal) if state else 0
         draft = state.propose(list(s.tokens), kk) if state else None

@@ -13,8 +13,15 @@ from tandem.engine.kvpool import MAX_PROPOSAL, proposal_room
 from tandem.engine.modeling import CausalLM
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics
-from tandem.service.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags,
-                                   add_worker_flags, check_kv_flags, check_worker_flags)
+from tandem.service.config import (
+    add_common_flags,
+    add_flag,
+    add_kv_flags,
+    add_model_flags,
+    add_worker_flags,
+    check_kv_flags,
+    check_worker_flags,
+)
 from tandem.service.server import service_from_args, setup_observability
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine

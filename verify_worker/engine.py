@@ -11,11 +11,10 @@ import torch
 
 from tandem.engine.kvpool import MAX_PROPOSAL, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.modeling import CausalLM, SessionCache
+from tandem.speculation.finish import Finish
 from tandem.speculation.logprobs import TokenLogprob, logprobs_of
 from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
 from tandem.speculation.verification import verify_greedy, verify_sampled
-
-STOP_NONE, STOP_LENGTH, STOP_EOS, STOP_CONTEXT = 0, 1, 2, 3   # StopReason in internal.proto
 
 
 class ProtocolError(ValueError):
@@ -30,7 +29,7 @@ class TargetSession:
     tokens: list[int]                  # prompt + generated, all committed
     cache: SessionCache
     generator: torch.Generator | None = None
-    stop_reason: int = STOP_NONE
+    stop_reason: Finish = Finish.NONE
 
     @property
     def generated(self) -> int:
@@ -41,7 +40,7 @@ class TargetSession:
 class VerdictResult:
     accepted: int            # leading proposed tokens accepted
     token_ids: list[int]     # accepted tokens + the bonus/corrected token, cut at a stop
-    stop_reason: int
+    stop_reason: Finish
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when the session reports
 
 
@@ -112,7 +111,7 @@ class VerifyEngine:
 
     def verify_input(self, s: TargetSession, proposed: list[int]) -> list[int]:
         """Checks a proposal; returns the k+1 tokens to feed: the last committed one + proposed."""
-        if s.stop_reason != STOP_NONE:
+        if s.stop_reason:
             raise ProtocolError(f"session {s.session_id} has already finished")
         k = len(proposed)
         if k > self.max_proposal:
@@ -162,21 +161,21 @@ class VerifyEngine:
     def _commit(self, s: TargetSession, accepted: int, new: list[int]) -> VerdictResult:
         eos = set(self.model.eos_ids)
         kept: list[int] = []
-        stop = STOP_NONE
+        stop = Finish.NONE
         for t in new:
             if t in eos:
-                stop = STOP_EOS
+                stop = Finish.EOS
                 break
             kept.append(t)
             if s.generated + len(kept) >= s.params.max_new_tokens:
-                stop = STOP_LENGTH
+                stop = Finish.LENGTH
                 break
             if len(s.tokens) + len(kept) >= self.model.max_context:
-                stop = STOP_CONTEXT
+                stop = Finish.CONTEXT_LENGTH
                 break
         s.tokens.extend(kept)
         s.stop_reason = stop
-        if stop != STOP_NONE and s.cache.length > len(s.tokens) - 1:
+        if stop and s.cache.length > len(s.tokens) - 1:
             s.cache.crop(len(s.tokens) - 1)
         return VerdictResult(min(accepted, len(kept)), kept, stop)
 

@@ -14,7 +14,7 @@ from tandem.service import logs, metrics, telemetry, wire
 from tandem.service.telemetry import round_attributes
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
-from verify_worker.engine import STOP_NONE, ProtocolError, TargetSession, VerifyEngine
+from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice
 
@@ -134,7 +134,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if session is not None:
             self.batcher.leave(session.cache)
         # Only a session that finished is consistent to continue from; a broken one is dropped.
-        keep = session is not None and session.stop_reason != STOP_NONE
+        keep = session is not None and bool(session.stop_reason)
         self.keeper.release(id(context), session, keep=keep)
         if session is not None:
             log.info("session %s", "finished" if keep else "dropped", extra={"fields": {
@@ -177,13 +177,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         metrics.VERIFY_SECONDS.observe(ran.seconds)
                         # The draft worker's round span records this, next to its round-trip time.
                         yield pb.VerifyResponse(verdict=pb.Verdict(
-                            accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
+                            accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
                             verify_seconds=ran.seconds, batch_size=ran.batch_size,
                             token_cost=self.price.for_batch(max(ran.batch_size, len(self.sessions)), ran.positions),
                             unverified=len(proposal.token_ids) + 1 - ran.fed,
                             position_seconds=self.price.position_seconds(ran.batch_size, ran.positions),
                             logprobs=wire.logprobs_to_proto(verdict.logprobs or ())))
-                        if verdict.stop_reason != STOP_NONE:
+                        if verdict.stop_reason:
                             return
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty VerifyRequest")
@@ -202,12 +202,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     if span is not None:
                         span.set_attributes(round_attributes(0, 0, verdict.token_ids, ran.batch_size, ran.seconds))
                 metrics.VERIFY_SECONDS.observe(ran.seconds)
-                yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason,
+                yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
                                     cached_tokens=cached if first else 0,
                                     logprobs=wire.logprobs_to_proto(verdict.logprobs or ()),
                                     prompt_logprobs=prompt_reports if first else ())
                 first = False
-                if verdict.stop_reason != STOP_NONE:
+                if verdict.stop_reason:
                     return
         finally:
             self._close(context)

@@ -1,0 +1,31 @@
+"""Why a generation ended: one type from the verify worker's verdict to both public faces."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Finish(StrEnum):
+    """The value is the name metrics, logs and traces carry."""
+    NONE = ""                          # not finished
+    LENGTH = "length"                  # max_new_tokens reached
+    EOS = "eos"                        # the model produced end-of-sequence
+    CONTEXT_LENGTH = "context_length"  # the model's context window is full
+    STOP_SEQUENCE = "stop_sequence"    # decided by the gateway, which sees text
+    TIME_LIMIT = "time_limit"          # decided by the TGIS face (its time_limit_millis)
+
+    @property
+    def wire(self) -> int:
+        """internal.proto's StopReason number: only the workers' own reasons cross it."""
+        return _WIRE[self]
+
+    @classmethod
+    def from_wire(cls, number: int) -> Finish:
+        """ValueError for a number internal.proto does not define."""
+        for finish, n in _WIRE.items():
+            if n == number:
+                return finish
+        raise ValueError(f"unknown stop reason {number}")
+
+
+_WIRE = {Finish.NONE: 0, Finish.LENGTH: 1, Finish.EOS: 2, Finish.CONTEXT_LENGTH: 3}
