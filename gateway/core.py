@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import time
 import uuid
@@ -31,6 +33,33 @@ class GatewayError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def answers(method):
+    """Wraps a servicer method (unary or server-streaming): a request that can never work ends
+    with INVALID_ARGUMENT and its message, a GatewayError with its own status."""
+    async def abort(context, e: Exception) -> None:
+        if isinstance(e, InvalidRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await context.abort(e.code, e.message)
+
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def streaming(self, request, context):
+            try:
+                async for message in method(self, request, context):
+                    yield message
+            except (InvalidRequest, GatewayError) as e:
+                await abort(context, e)
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (InvalidRequest, GatewayError) as e:
+            await abort(context, e)
+    return unary
 
 
 @dataclass

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 
-from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport
+from gateway.core import Delta, Final, GenerationCore, TokenReport, answers
 from gateway.observe import OP_CHAT, OP_TEXT
 from gateway.request import (
     GenRequest,
@@ -95,21 +94,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                           continuation_ids=later, token_details=params.logprobs,
                           prompt_details=params.prompt_logprobs)
 
+    @answers
     async def _events(self, request, context):
-        try:
-            with self.core.observer("tandem") as obs:
-                req = self.to_request(request)
-                if request.WhichOneof("input") == "chat":
-                    obs.begin(req, OP_CHAT, [(x.role, x.content) for x in request.chat.messages])
-                else:
-                    obs.begin(req, OP_TEXT, [("user", request.prompt)])
-                async for event in self.core.stream(req, context.time_remaining()):
-                    obs.saw(event)
-                    yield event
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+        with self.core.observer("tandem") as obs:
+            req = self.to_request(request)
+            if request.WhichOneof("input") == "chat":
+                obs.begin(req, OP_CHAT, [(x.role, x.content) for x in request.chat.messages])
+            else:
+                obs.begin(req, OP_TEXT, [("user", request.prompt)])
+            async for event in self.core.stream(req, context.time_remaining()):
+                obs.saw(event)
+                yield event
 
     async def Generate(self, request, context):
         parts: list[str] = []

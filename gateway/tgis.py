@@ -19,7 +19,7 @@ import grpc
 
 from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
-from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage
+from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage, answers
 from gateway.observe import OP_TEXT
 from gateway.request import (
     GenRequest,
@@ -223,85 +223,75 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                                      stop_sequence=final.stop_sequence, seed=job.seed,
                                      tokens=tokens, input_tokens=input_tokens)
 
+    @answers
     async def Generate(self, request: pb.BatchedGenerationRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
+        with self.core.observer("tgis"):      # counts the batch once if it is refused; jobs count themselves
+            self._check_model(request.model_id)
+            self._check_unsupported(request)
+            if not request.requests:
+                raise InvalidRequest("requests must not be empty")
+            method, k, session_id = self._speculation(context, len(request.requests))
+            # Validate every prompt before starting any: a bad one fails the batch at no cost.
+            jobs = []
+            for i, r in enumerate(request.requests):
+                try:
+                    jobs.append(self._job(r.text, request.params, method, k, session_id))
+                except InvalidRequest as e:
+                    raise InvalidRequest(f"requests[{i}]: {e}") from None
+        tasks = [asyncio.ensure_future(self._generate_one(j, context)) for j in jobs]
         try:
-            with self.core.observer("tgis"):      # counts the batch once if it is refused; jobs count themselves
-                self._check_model(request.model_id)
-                self._check_unsupported(request)
-                if not request.requests:
-                    raise InvalidRequest("requests must not be empty")
-                method, k, session_id = self._speculation(context, len(request.requests))
-                # Validate every prompt before starting any: a bad one fails the batch at no cost.
-                jobs = []
-                for i, r in enumerate(request.requests):
-                    try:
-                        jobs.append(self._job(r.text, request.params, method, k, session_id))
-                    except InvalidRequest as e:
-                        raise InvalidRequest(f"requests[{i}]: {e}") from None
-            tasks = [asyncio.ensure_future(self._generate_one(j, context)) for j in jobs]
-            try:
-                responses = await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:       # one failure fails the batch; stop the others' generation
-                    t.cancel()
-            return pb.BatchedGenerationResponse(responses=responses)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+            responses = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:       # one failure fails the batch; stop the others' generation
+                t.cancel()
+        return pb.BatchedGenerationResponse(responses=responses)
 
+    @answers
     async def GenerateStream(self, request: pb.SingleGenerationRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerationResponse]:
-        try:
-            with self.core.observer("tgis") as obs:
-                self._check_model(request.model_id)
-                self._check_unsupported(request)
-                method, k, session_id = self._speculation(context, 1)
-                job = self._job(request.request.text, request.params, method, k, session_id)
-                obs.begin(job.req, OP_TEXT, [("user", job.text)])
-                # TGIS sends the input details first, before any generated text; input token details
-                # come with the verify worker's first answer, so that message waits for it.
-                first = pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
-                                              text=job.text if job.echo_input else "", seed=job.seed)
-                if not job.req.prompt_details:
+        with self.core.observer("tgis") as obs:
+            self._check_model(request.model_id)
+            self._check_unsupported(request)
+            method, k, session_id = self._speculation(context, 1)
+            job = self._job(request.request.text, request.params, method, k, session_id)
+            obs.begin(job.req, OP_TEXT, [("user", job.text)])
+            # TGIS sends the input details first, before any generated text; input token details
+            # come with the verify worker's first answer, so that message waits for it.
+            first = pb.GenerationResponse(input_token_count=len(job.req.prompt_ids),
+                                          text=job.text if job.echo_input else "", seed=job.seed)
+            if not job.req.prompt_details:
+                yield first
+                first = None
+            count = 0
+            async for event in self._events(job, context):
+                obs.saw(event)
+                if first is not None:
+                    if isinstance(event, Delta) and event.prompt_tokens is not None:
+                        first.input_tokens.extend(job.token_infos(event.prompt_tokens))
                     yield first
                     first = None
-                count = 0
-                async for event in self._events(job, context):
-                    obs.saw(event)
-                    if first is not None:
-                        if isinstance(event, Delta) and event.prompt_tokens is not None:
-                            first.input_tokens.extend(job.token_infos(event.prompt_tokens))
-                        yield first
-                        first = None
-                    if isinstance(event, Delta):
-                        if event.text or event.token_count:
-                            count += event.token_count
-                            yield pb.GenerationResponse(text=event.text, generated_token_count=count,
-                                                        tokens=job.token_infos(event.tokens))
-                    else:
-                        # A message of its own: holding each delta back until the next one shows whether
-                        # it is the last would delay every chunk by one verify round.
-                        yield pb.GenerationResponse(generated_token_count=count,
-                                                    stop_reason=_STOP_REASON[event.finish_reason],
-                                                    stop_sequence=event.stop_sequence, seed=job.seed)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except GatewayError as e:
-            await context.abort(e.code, e.message)
+                if isinstance(event, Delta):
+                    if event.text or event.token_count:
+                        count += event.token_count
+                        yield pb.GenerationResponse(text=event.text, generated_token_count=count,
+                                                    tokens=job.token_infos(event.tokens))
+                else:
+                    # A message of its own: holding each delta back until the next one shows whether
+                    # it is the last would delay every chunk by one verify round.
+                    yield pb.GenerationResponse(generated_token_count=count,
+                                                stop_reason=_STOP_REASON[event.finish_reason],
+                                                stop_sequence=event.stop_sequence, seed=job.seed)
 
     # ---- tokenizer and model facts ----
 
+    @answers
     async def Tokenize(self, request: pb.BatchedTokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
-        try:
-            self._check_model(request.model_id)
-            tok = self.core.tokenizer
-            if request.return_offsets and not getattr(tok, "is_fast", False):
-                raise InvalidRequest("return_offsets needs a fast tokenizer; this model's is not")
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._check_model(request.model_id)
+        tok = self.core.tokenizer
+        if request.return_offsets and not getattr(tok, "is_fast", False):
+            raise InvalidRequest("return_offsets needs a fast tokenizer; this model's is not")
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
             # The same encoding as encode_prompt, so token_count equals input_token_count.
@@ -318,12 +308,10 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                 resp.offsets.add(start=start, end=end)
         return out
 
+    @answers
     async def ModelInfo(self, request: pb.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        try:
-            self._check_model(request.model_id)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._check_model(request.model_id)
         return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
                                     max_sequence_length=self.core.max_context,
                                     max_new_tokens=self.limits.max_new_tokens)
