@@ -9,7 +9,7 @@ freed, except where another module shares it (a tied output layer keeps the embe
 grows by at most that one matrix.
 
 oneDNN sums in another order than the stock kernel, so logits differ in the last bits (about 3e-5
-here); the same already holds between batch sizes of either kernel. See the README on near-ties.
+here); the same already holds between batch sizes of either kernel. See docs/how-it-works.md on near-ties.
 """
 
 from __future__ import annotations

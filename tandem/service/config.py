@@ -1,4 +1,4 @@
-"""Command-line flags with environment-variable twins (`--max-batch` <-> `TANDEM_MAX_BATCH`)."""
+"""Command-line flags with environment-variable twins (`--max-batch-tokens` <-> `TANDEM_MAX_BATCH_TOKENS`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, default
              help="plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (0 = none)")
     add_flag(parser, "--max-message-bytes", default=MAX_MESSAGE_BYTES, type=int,
              help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
-    # Transport security (tandem.tls): certificates, or plaintext said out loud.
+    # Transport security (tandem.service.tls): certificates, or plaintext said out loud.
     add_flag(parser, "--insecure", default=False, type=bool,
              help="plaintext gRPC everywhere (local runs only); otherwise the --tls-* files are required")
     add_flag(parser, "--tls-cert-file", default="", help="PEM certificate of this service (server and client)")

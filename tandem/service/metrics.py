@@ -1,6 +1,6 @@
 """Prometheus metrics, all named tandem_*. Each process serves its own on --metrics-port.
 
-One module defines every metric so that names stay unique and the README table has one source;
+One module defines every metric so that names stay unique and the table in docs/observability.md has one source;
 a process registers (and so serves) only its own service's, see register(). The speculative-decoding counters follow vLLM's definitions so its dashboards' PromQL
 applies after renaming the prefix (vllm:spec_decode_* -> tandem_spec_decode_*):
 
