@@ -10,15 +10,17 @@ n-gram match, a draft that keeps missing) it decodes plainly for a while, then t
 speculative round again, waiting twice as long after each try that still loses.
 
 How long a proposal runs is left to the drafter: the model drafter stops after a token it is
-unsure of (`--confidence`), which follows the text far better than a k chosen in advance. An
-earlier controller chose k from a per-token acceptance rate and the verify cost curve; on code,
-where acceptance comes in long runs, it proposed too little and lost 15% against a fixed k.
+unsure of (`--confidence`), which follows the text far better than a k chosen in advance. A k
+chosen from a per-token acceptance rate and the verify cost curve assumes tokens are accepted
+independently; on code acceptance comes in long runs, and such a k proposes too little (an earlier
+controller did so and lost against a fixed k: see docs/benchmarks.md, "Measurements behind the
+code's rules").
 
 Acceptance is kept per kind of proposal when the drafter says what kind it drafted: the n-gram
-drafter's proposals that follow a 3-token match were accepted at the first position 84% of the
-time on the benchmark's prompts, after a 1-token match 31%; one rate for both cut the good ones
-and let the poor ones through. Such a drafter proposes the most it may, and `fit` cuts the proposal
-to what its kind is worth.
+drafter's proposals that follow a long match are accepted far more often than those after a short
+one (see docs/benchmarks.md, "Measurements behind the code's rules"), and one rate for both would
+cut the good ones and let the poor ones through. Such a drafter proposes the most it may, and
+`fit` cuts the proposal to what its kind is worth.
 
 Under load a proposal also costs the other sessions: each position it adds to a batched pass
 delays every session in it. The verify worker sends that price with each verdict (`token_cost`:
@@ -51,10 +53,10 @@ class Survival:
     """How often a proposal is accepted through position j (1-based), over recent proposals that
     reached j, older ones weighing less. Each position also counts one proposal accepted at a
     prior rate: half the time for the first, and for position j the rate through j - 1 times the
-    first's, as if each token were accepted alike (the n-gram drafter's 3-token matches on the
-    benchmark: 0.84, 0.72, 0.61, 0.55 against 0.84, 0.71, 0.59, 0.50). Counting unseen positions as
-    always accepted, as this once did, sent every new session's proposals whole into a saturated
-    worker (64 sessions at k = 8: 2 s passes)."""
+    first's, as if each token were accepted alike, which follows measured acceptance closely.
+    Counting unseen positions as always accepted, as this once did, sends every new session's
+    proposals whole into a saturated worker (both measured in docs/benchmarks.md, "Measurements
+    behind the code's rules")."""
 
     def __init__(self, positions: int = 64, decay: float = 0.95) -> None:
         self.decay = decay
@@ -153,13 +155,14 @@ class SpeculationController:
             if worth or any(s.hopeful(self.price) for s in kinds):
                 self.probe = not worth
                 return max(1, worth)
-            # Not even one position could pay (a busy worker): no probe, a longer plain run. At 64
-            # streams probes were a third of all proposed positions, each accepted less often than
-            # its price.
+            # Not even one position could pay (a busy worker): no probe, a longer plain run. Under
+            # load such probes would be a large share of all proposed positions, each accepted less
+            # often than its price (see docs/benchmarks.md, "Measurements behind the code's rules").
         if worth == 0:
             # The price says so, and a new price comes with every verdict: a short plain run, not
-            # one twice as long as the last. Doubling here once ended speculation for the rest of
-            # a request after a few expensive passes (runs of 16, 32, 64 plain rounds at 16 streams).
+            # one twice as long as the last. Doubling here ends speculation for the rest of a
+            # request after a few expensive passes (see docs/benchmarks.md, "Measurements behind
+            # the code's rules").
             self.plain_rounds_left = self.min_backoff
         return worth
 

@@ -93,11 +93,11 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], port: int) -> None:
         # The processes share this machine's cores. An OpenMP thread that spins while it waits (the
-        # default) takes a core from another process's forward passes: with a draft model beside it
-        # every process waits passively (Qwen pair, 4 streams, spec: 4.0 tokens/s all spinning, 10.5
-        # with only the verify worker spinning, 14.6 passive). Without one, the verify worker keeps
-        # OpenMP's default: waiting passively, each parallel region of a pass woke a sleeping thread,
-        # and SmolLM2's passes at 16 streams ran 1.5x slower. The environment overrides both.
+        # default) takes a core from another process's forward passes, so with a draft model beside
+        # it every process waits passively. Without one, the verify worker keeps OpenMP's default:
+        # waiting passively, each parallel region of a pass wakes a sleeping thread, which slows its
+        # passes down. Both measured in docs/benchmarks.md ("Measurements behind the code's rules").
+        # The environment overrides both.
         alone = name.startswith("verify_worker") and self.draft == "none"
         omp = {} if alone else {"OMP_WAIT_POLICY": "PASSIVE"}
         env = {**omp, **os.environ, **self.extra_env}

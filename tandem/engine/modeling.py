@@ -27,8 +27,9 @@ DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 def load_weights(path: Path, dtype: str, device: str):
     """The model in `dtype` on `device`. int8 is dynamic quantization of every Linear layer (int8
-    weights, activations quantized per call): CPU only, about 3x faster per decode step than float32
-    here, and meant for drafts, whose precision never changes the output (the target decides)."""
+    weights, activations quantized per call): CPU only, several times faster per decode step than
+    float32 (see docs/benchmarks.md, "Measurements behind the code's rules"), and meant for drafts,
+    whose precision never changes the output (the target decides)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype == "int8" and not device.startswith("cpu"):
@@ -136,10 +137,11 @@ class CausalLM:
     def calibrate(self, max_new: int, last: int | None = None, context: int = 64, repeats: int = 3,
                   gain: float = 0.85) -> None:
         """Measures one forward pass of n = 1..max_new new tokens and pads n to the shortest longer
-        length that takes at most `gain` of n's time. On some CPUs a few lengths (2, 3, 7 here) are
-        far slower than longer ones; on a GPU the curve is flat and nothing gets padded. The lengths
-        are measured in turn, `repeats` times, keeping each one's fastest run, so that a burst of
-        load from elsewhere cannot make one length look slow. `last`: as the caller will pass it to
+        length that takes at most `gain` of n's time. On some CPUs, with some kernels, a few lengths
+        are far slower than longer ones (see docs/benchmarks.md, "Measurements behind the code's
+        rules"); on a GPU the curve is flat and nothing gets padded. The lengths are measured in
+        turn, `repeats` times, keeping each one's fastest run, so that a burst of load from
+        elsewhere cannot make one length look slow. `last`: as the caller will pass it to
         forward (None for every position's logits, as in verification; 1 for drafting)."""
         context = min(context, self.max_context - max_new - 1)
         cache = self.new_cache(context + max_new)
@@ -167,11 +169,11 @@ class CausalLM:
         max_sessions, into `pass_ms` [(S, ms)]: what a pass costs by its size, which one session's
         longer inputs (`calibrate`) do not tell. On a CPU the curve bends: up to a few dozen
         positions a pass costs about the same however many (reading the weights takes the time),
-        beyond that each position adds its arithmetic (SmolLM2-135M here: 86 ms for 16 positions,
-        205 for 64, 305 for 128). The sizes are measured in turn, `repeats` times, keeping each
-        one's fastest run (a burst of load from elsewhere during one size had made a 32-session
-        pass look 1.5x its cost); sizes stop where the pool has no room or the first turn took its
-        share of `budget_s`."""
+        beyond that each position adds its arithmetic. The sizes are measured in turn, `repeats`
+        times, keeping each one's fastest run, so that a burst of load from elsewhere during one
+        size cannot make it look dearer than it is (both measured in docs/benchmarks.md,
+        "Measurements behind the code's rules"); sizes stop where the pool has no room or the first
+        turn took its share of `budget_s`."""
         context = min(context, self.max_context - 2)
         sessions = min(max_sessions, self.pool.free_slots() // (2 * (context + 2)))
         self.pass_ms = []

@@ -15,7 +15,8 @@ class InferenceThread:
 
     Every torch op of a worker process belongs on this one thread, model loading and calibration
     included: each thread that runs a parallel op gets its own OpenMP team, and two teams sharing
-    the cores made every forward pass of the draft model about 1.6x slower on a 2-core machine."""
+    the cores slow every forward pass down (measured in docs/benchmarks.md, "Measurements behind
+    the code's rules")."""
 
     def __init__(self, name: str, gauge=None) -> None:
         """gauge: a Prometheus gauge that follows the queue depth, if any."""
