@@ -1,11 +1,12 @@
-# Tandem: make setup | protos | run | test | soak | bench | bench-load | bench-passcost | image | deploy-check
+# Tandem: make setup | protos | run | test | test-unit | test-service | test-system | test-deploy | test-slow
+#         | soak | bench | bench-load | bench-passcost | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-slow soak bench bench-load bench-passcost image deploy-check clean
+.PHONY: setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,23 @@ protos: $(GEN_STAMP)
 run: setup
 	$(PY) -m tandem.launch
 
+# Every tier (what CI runs). The tiers are pytest markers (pyproject.toml; tests/conftest.py refuses a
+# test without exactly one): unit (in this process, no server), service (the stack in this process
+# over real gRPC), system (real processes, a private Redis, kill -9 and SIGTERM), deploy (Helm and
+# kustomize rendered and validated; needs kubectl). PYTEST_ARGS adds options, e.g. PYTEST_ARGS=-x.
+PYTEST_ARGS ?=
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-unit test-service test-system test-deploy: test-%: setup
+	$(PY) -m pytest -q -m $* $(PYTEST_ARGS) tests
+
+# The long runs `make test` leaves out: the hostile-request fuzz (tests/test_fuzz.py) with
+# FUZZ_EXAMPLES examples per strategy instead of 300, then the full soak (SOAK_SECONDS, below).
+FUZZ_EXAMPLES ?= 3000
+test-slow: setup
+	TANDEM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q --timeout 3600 $(PYTEST_ARGS) tests/test_fuzz.py
+	$(PY) -m tests.soak --seconds $(SOAK_SECONDS)
 
 # Five minutes of concurrent clients, cancellations, deadlines and worker restarts (tests/soak.py).
 SOAK_SECONDS ?= 300
@@ -52,8 +68,7 @@ image:
 	docker build -f deploy/Dockerfile --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(VERSION)-$(VARIANT) .
 
 # Render, lint and schema-validate the Helm chart and kustomize overlays (no cluster needed).
-deploy-check: setup
-	$(PY) -m pytest -q tests/test_deploy.py
+deploy-check: test-deploy
 
 clean:
 	rm -rf tandem/v1 fmaas .pytest_cache

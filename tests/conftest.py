@@ -10,6 +10,22 @@ from tandem.testing import build_tiny_pair
 
 torch.set_num_threads(1)
 
+# The test tiers (markers registered in pyproject.toml). Each test carries exactly one: a module-level
+# `pytestmark` where a file is one tier, a marker on each test where a file mixes them.
+TIERS = ("unit", "service", "system", "deploy")
+
+
+@pytest.hookimpl(tryfirst=True)       # before `-m` deselects anything, so every run checks every test
+def pytest_collection_modifyitems(config, items):
+    wrong: dict[str, str] = {}
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong[f"  {item.nodeid.split('[')[0]}: "] = ", ".join(tiers) or "no tier"   # once per function
+    if wrong:
+        raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)} "
+                                f"(tests/conftest.py):\n" + "\n".join(k + v for k, v in wrong.items()))
+
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):

@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import redis
 
-from tests.local import reference
 from tandem.client import build_request
 from tandem.cluster.redis_conn import RedisServer
 from tandem.cluster.registry import DRAFT, VERIFY, Registry
@@ -35,6 +34,7 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 from tests.certs import CA, SERVER_NAME
+from tests.local import reference
 
 TOKEN = "soak-token-5e1f"
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:", "import os\n", "x = [1, 2, 3]\n"]

@@ -37,6 +37,8 @@ import torch
 from tandem.speculation.sampling import SamplingParams, probabilities, process
 from tandem.speculation.verification import Outcome, verify_sampled
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------------------------------------
 # Part 1: exact cases with k >= 3
 # ---------------------------------------------------------------------------------------------

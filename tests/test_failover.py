@@ -9,13 +9,15 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.local import reference
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
+from tests.local import reference
+
+pytestmark = pytest.mark.system
 
 PROMPT = "def add(a, b):"
 N = 400          # long enough that a kill lands mid-stream; forced (min = max) so no EOS ends it early

@@ -20,7 +20,6 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.local import reference
 from fmaas import generation_pb2 as tgis_pb
 from gateway.guard import ClientGuard, TokenSet
 from gateway.request import Limits
@@ -28,6 +27,7 @@ from tandem.client import build_request
 from tandem.speculation.sampling import MIN_REPETITION_PENALTY, SamplingParams
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tests.local import reference
 from tests.stack import live_sessions, start_stack, stop_stack, wait_until_idle
 
 # The in-process gateway draws from `random` (routing tie-breaks) while hypothesis runs its examples.
@@ -359,6 +359,7 @@ def hostile_requests(address: str, failures: list, ctx: int, lengths: dict, prob
     return sent
 
 
+@pytest.mark.service
 async def test_hostile_requests_get_proper_statuses_while_a_good_stream_stays_right(fuzz_stack, expected_good):
     stub = pb_grpc.GenerationServiceStub(fuzz_stack.channel)
     done, good, wrong = asyncio.Event(), 0, []
@@ -433,6 +434,7 @@ def kinds(v, valid) -> set[str]:
     return {"set", "out"} if isinstance(valid, int) and v > valid else {"set"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", list(NEW_FIELDS), ids=lambda c: c.DESCRIPTOR.full_name)
 def test_generic_strategy_reaches_every_new_field_with_hostile_values(cls):
     """In as many examples as the fuzz draws, the descriptor-driven strategy above sets each new
@@ -535,6 +537,7 @@ async def statuses(calls) -> list[tuple[grpc.StatusCode, str]]:
     return out
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("face,field,value", HOSTILE, ids=lambda x: str(x))
 async def test_each_new_field_hostile_is_invalid_argument_beside_a_good_stream(module_stack, expected_good,
                                                                                 face, field, value):
@@ -565,6 +568,7 @@ async def test_each_new_field_hostile_is_invalid_argument_beside_a_good_stream(m
 LONG_PROMPT = PROBE_PROMPTS[1]
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("face", ["tandem", "tgis"])
 async def test_truncation_past_the_prompt_keeps_it_whole(module_stack, face):
     """Above the prompt's length but below the context window, truncate_input_tokens is served
@@ -616,6 +620,7 @@ def every_new_field_tgis(method, keep: int) -> tgis_pb.Parameters:
     return p
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
 @pytest.mark.parametrize("face", ["tandem", "tgis"])
 async def test_every_new_field_valid_at_once_is_served_with_speculation(module_stack, face, sample):
@@ -676,6 +681,7 @@ async def own_stack(tiny_pair):
     await stop_stack(s)
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("face,field,value", EXTREME, ids=lambda x: str(x))
 async def test_extreme_valid_values_are_served_or_refused_never_fail_a_worker(own_stack, expected_good,
                                                                               face, field, value):

@@ -11,8 +11,6 @@ from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2 as pb
 from tests.stack import stack  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.service
-
 P, N, CONTEXT = 30, 50, 512
 
 
@@ -24,6 +22,7 @@ async def client(redis_server):
     await c.aclose()
 
 
+@pytest.mark.service
 async def test_the_gateway_reserves_what_the_verify_worker_does(stack):
     """While a stream runs, the gateway's in-flight reservation on its verify worker equals what
     that worker reserved for the session (the gateway once left out the proposal room)."""
@@ -39,6 +38,7 @@ async def test_the_gateway_reserves_what_the_verify_worker_does(stack):
     assert gateway == worker
 
 
+@pytest.mark.system
 async def test_routing_counts_the_room_of_each_reservation(client):
     """A worker with room for one session, room included, takes one; the second goes elsewhere."""
     room = proposal_room(16)
@@ -58,6 +58,7 @@ async def test_routing_counts_the_room_of_each_reservation(client):
     assert router.reserved["tight:1"] == 0 and router.inflight["tight:1"] == 0
 
 
+@pytest.mark.unit
 def test_the_draft_sizes_its_cache_by_the_same_rule(tiny_models):
     from draft_worker.drafters import ModelDrafter
     _, draft = tiny_models

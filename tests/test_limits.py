@@ -16,6 +16,8 @@ from tandem.client import build_request
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tests.stack import start_stack, stop_stack, wait_until_idle
 
+pytestmark = pytest.mark.service
+
 TOKENS = [f"limit-token-{i}" for i in range(8)]
 LIMITS = Limits(max_new_tokens=16, max_prompt_tokens=40, max_stop_sequences=2, max_stop_sequence_chars=8)
 MAX_BYTES = 64 * 1024

@@ -3,9 +3,11 @@
 import pytest
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tests.local import reference, speculate
 from tandem.speculation.sampling import SamplingParams
+from tests.local import reference, speculate
 from verify_worker.engine import VerifyEngine
+
+pytestmark = pytest.mark.unit
 
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox", "Grüße 🙂"]
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tests.local import speculate
 from tandem.speculation.sampling import SamplingParams, probabilities
+from tests.local import speculate
 from verify_worker.engine import VerifyEngine
+
+pytestmark = pytest.mark.unit
 
 N_SAMPLES = 1500
 

@@ -1,13 +1,19 @@
 """Model loading options and the padded forward pass keep the model's outputs."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from draft_worker.drafters import ModelDrafter
-from tests.local import reference, speculate
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.sampling import SamplingParams
+from tests.local import reference, speculate
 from verify_worker.engine import VerifyEngine
+
+pytestmark = pytest.mark.unit
 
 
 def test_padded_forward_keeps_logits_and_cache(tiny_pair):
@@ -141,18 +147,40 @@ def test_packed_linear_matches_the_stock_kernel():
         assert torch.allclose(packed(x), linear(x), atol=1e-5)
 
 
-def test_packing_swaps_float32_linears_only(tiny_pair):
+def tied_copy(folder: Path, to: Path) -> Path:
+    """The model in `folder` with its output layer tied to the input embedding (lm_head's own
+    matrix dropped from the weights, or transformers would not tie them)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, to)
+    config = json.loads((to / "config.json").read_text())
+    (to / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(to / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+def test_packing_swaps_float32_linears_only(tiny_pair, tmp_path):
     from tandem.engine.gemm import PackedLinear
     packed, stock = CausalLM(str(tiny_pair[0])), CausalLM(str(tiny_pair[0]), packed_gemm=False)
     assert packed.packed and not stock.packed
     kinds = {type(m) for m in packed.model.modules()}
     assert PackedLinear in kinds and torch.nn.Linear not in kinds
-    head = packed.model.get_output_embeddings()
-    if packed.model.config.tie_word_embeddings:          # the embedding's weight, still shared
-        assert head.weight is packed.model.get_input_embeddings().weight
-    assert all(m.weight is None for m in packed.model.modules() if isinstance(m, PackedLinear) and m is not head)
+    # The tiny models' output layer is a matrix of its own: packed, its original freed like the rest.
+    assert not packed.model.config.tie_word_embeddings
+    assert isinstance(packed.model.get_output_embeddings(), PackedLinear)
+    assert all(m.weight is None for m in packed.model.modules() if isinstance(m, PackedLinear))
     a, b = packed.new_cache(), stock.new_cache()
     for feed in ([5, 6, 7, 8, 9], [10], [11, 12, 13]):
         assert torch.allclose(packed.forward(feed, a), stock.forward(feed, b), atol=1e-4)
+    # A tied output layer is packed too but keeps referring to the embedding's weight, still shared.
+    tied_folder = tied_copy(tiny_pair[0], tmp_path / "tied")
+    tied, tied_stock = CausalLM(str(tied_folder)), CausalLM(str(tied_folder), packed_gemm=False)
+    head = tied.model.get_output_embeddings()
+    assert tied.model.config.tie_word_embeddings and isinstance(head, PackedLinear)
+    assert head.weight is tied.model.get_input_embeddings().weight
+    assert all(m.weight is None for m in tied.model.modules() if isinstance(m, PackedLinear) and m is not head)
+    a, b = tied.new_cache(), tied_stock.new_cache()
+    assert torch.allclose(tied.forward([5, 6, 7], a), tied_stock.forward([5, 6, 7], b), atol=1e-4)
     int8 = CausalLM(str(tiny_pair[1]), dtype="int8")
     assert not int8.packed and PackedLinear not in {type(m) for m in int8.model.modules()}

@@ -8,13 +8,15 @@ import grpc
 import pytest
 import redis
 
-from tests.local import reference
 from tandem.client import build_request
 from tandem.cluster.redis_conn import free_port
 from tandem.launch import Stack
 from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tests.local import reference
 from tests.test_failover import PROMPT, N, long_request, stream_with
+
+pytestmark = pytest.mark.system
 
 
 def test_migrations_are_bounded(tiny_pair, redis_server):

@@ -7,14 +7,9 @@ from pathlib import Path
 import pytest
 
 from tandem import presets
-from tandem.presets import (
-    PRESETS,
-    ChecksumError,
-    Preset,
-    assemble_gguf,
-    cache_dir,
-    resolve_model,
-)
+from tandem.presets import PRESETS, ChecksumError, Preset, assemble_gguf, cache_dir, resolve_model
+
+pytestmark = pytest.mark.unit
 
 
 def _fake_preset(tmp_path: Path, parts: list[bytes], digest: str | None = None) -> Preset:

@@ -1,17 +1,20 @@
 """Internal streams refuse out-of-protocol messages, and a refused stream never disturbs another
 session: real gRPC to the in-process verify worker, tiny seeded models."""
 
+import itertools
 import math
 
 import grpc
 import pytest
 
-from tests.local import reference
 from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
+from tests.local import reference
 from tests.stack import stack  # noqa: F401  (the fixture)
 from verify_worker.price import TokenPrice
+
+pytestmark = pytest.mark.service
 
 PROMPT = [5, 17, 42, 99, 7, 63, 12]
 N = 24
@@ -69,27 +72,32 @@ def bad_streams(stack):
         ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=2, min_new_tokens=5))], inv, "min_new_tokens"),
         ([opening("b", sampling=pb.WorkerSampling(max_new_tokens=2, top_p=1.5))], inv, "top_p"),
         ([opening("b", sampling=pb.WorkerSampling(temperature=1.0, max_new_tokens=4, top_p=1.0)),
-          proposal([3, 4], [pb.DraftDistribution(token_ids=[3], probs=b"\x00\x00")])], inv, "prob bytes"),
+          proposal([3, 4], [pb.DraftDistribution(token_ids=[3], probs=b"\x00\x00\x80\x3f")])], inv,
+         "2 tokens but 1 draft distributions"),
+        ([opening("b", sampling=pb.WorkerSampling(temperature=1.0, max_new_tokens=4, top_p=1.0)),
+          proposal([3], [pb.DraftDistribution(token_ids=[3], probs=b"\x00\x00")])], inv, "prob bytes"),
         ([opening("b", sampling=pb.WorkerSampling(temperature=1.0, max_new_tokens=4, top_p=1.0)),
           proposal([3], [pb.DraftDistribution(token_ids=[v], probs=b"\x00\x00\x80\x3f")])], inv, "vocabulary"),
     ]
 
 
 async def test_bad_streams_are_refused_and_another_session_is_untouched(stack, tiny_models):
-    """Session A is verified round by round, with a bad stream between every two rounds; its output
-    must still be the target's greedy output, and nothing may stay reserved afterwards."""
+    """Session A is verified round by round, with bad streams between every two rounds; its output
+    must still be the target's greedy output, and nothing may stay reserved afterwards. Each kind
+    of bad stream is sent while A is open (A takes 8 rounds: three kinds before each round)."""
     expected = reference(tiny_models[0], PROMPT, SamplingParams(max_new_tokens=N))
+    kinds = bad_streams(stack)
     async with grpc.aio.insecure_channel(stack.verify_address) as ch:
         stub = pb_grpc.VerifyServiceStub(ch)
         a = stub.Verify(timeout=60)
         await a.write(opening("victim"))
         assert (await a.read()).HasField("opened")
-        out, bad = [], iter(bad_streams(stack) * 3)
+        out, bad, tried = [], iter(kinds), 0
         while True:
-            messages, code, words = next(bad, ([], None, ""))
-            if messages:
+            for messages, code, words in itertools.islice(bad, 3):
                 got, details = await refused(stub, messages)
                 assert got == code and words in details, (messages, got, details)
+                tried += 1
             # A proposal of two right tokens and a wrong one: accepted, rejected and rolled back.
             i = len(out)
             guess = expected[i:i + 2] + [(expected[i + 2] + 1) % vocab(stack)] if i + 2 < len(expected) else []
@@ -100,6 +108,7 @@ async def test_bad_streams_are_refused_and_another_session_is_untouched(stack, t
                 break
         await a.done_writing()
         assert out == expected
+        assert tried == len(kinds), f"A ended after {tried} of {len(kinds)} kinds of bad stream"
         status = await stub.Status(pb.StatusRequest(), timeout=10)
         assert status.live_sessions == 0 and status.reserved_kv_tokens == 0
 

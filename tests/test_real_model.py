@@ -5,10 +5,12 @@ with a repetition penalty it equals transformers' generate, logprobs included.""
 import pytest
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter
-from tests.local import reference, speculate
 from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.speculation.sampling import SamplingParams
+from tests.local import reference, speculate
 from verify_worker.engine import VerifyEngine
+
+pytestmark = pytest.mark.unit
 
 PRESET = "smollm2-135m-instruct"
 PROMPTS = ["def fibonacci(n):", "import os\n\nfor name in os.listdir('.'):\n    print(name)\n\n# again\nfor name in"]

@@ -25,6 +25,7 @@ async def client(redis_server):
     await c.aclose()
 
 
+@pytest.mark.system
 async def test_register_list_and_deregister(client):
     reg = Registry(client)
     await reg.register(WorkerInfo("h:1", VERIFY, "m", load=2), ttl=5)
@@ -37,6 +38,7 @@ async def test_register_list_and_deregister(client):
     assert [w.address for w in await reg.workers(VERIFY)] == ["h:2"]
 
 
+@pytest.mark.system
 async def test_a_worker_that_stops_beating_expires(client):
     reg = Registry(client)
     beat = Heartbeat(reg, lambda: WorkerInfo("h:9", VERIFY, "m"), interval=0.1)
@@ -50,6 +52,7 @@ async def test_a_worker_that_stops_beating_expires(client):
     assert await client.smembers("tandem:workers:verify") == set()      # the index is pruned too
 
 
+@pytest.mark.system
 async def test_clean_stop_deregisters_at_once(client):
     reg = Registry(client)
     beat = Heartbeat(reg, lambda: WorkerInfo("h:8", DRAFT, "m"), interval=10)
@@ -59,6 +62,7 @@ async def test_clean_stop_deregisters_at_once(client):
     assert await reg.workers(DRAFT) == []
 
 
+@pytest.mark.system
 async def test_session_record_round_trip_ttl_and_lock(client):
     store = SessionStore(client, ttl=60, lock_ttl=5)
     assert await store.get("s1") is None
@@ -74,6 +78,7 @@ async def test_session_record_round_trip_ttl_and_lock(client):
     assert await store.lock("s1", "c")
 
 
+@pytest.mark.system
 async def test_password_url_and_bad_urls():
     server = RedisServer(password="s3cret").start()
     try:
@@ -99,6 +104,7 @@ async def test_password_url_and_bad_urls():
         check_url("redis://")
 
 
+@pytest.mark.unit
 async def test_unreachable_redis_fails_fast():
     c = connect("redis://127.0.0.1:1/0")
     loop = asyncio.get_running_loop()
@@ -118,6 +124,7 @@ def _finished(session_id: str, n: int) -> TargetSession:
     return s
 
 
+@pytest.mark.unit
 def test_keeper_reuses_evicts_least_recent_and_refuses_what_cannot_fit():
     keeper = SessionKeeper(budget_tokens=100)
     assert keeper.admit(1, "a", 30) is None
@@ -139,6 +146,7 @@ def test_keeper_reuses_evicts_least_recent_and_refuses_what_cannot_fit():
     assert keeper.free() == 100
 
 
+@pytest.mark.system
 def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(monkeypatch, redis_server):
     from tandem.cluster import redis_conn
     monkeypatch.setenv("REDIS_URL", redis_server.url)
@@ -155,6 +163,7 @@ def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(mon
     assert not redis_conn.answers(url)                                        # stopped with its owner
 
 
+@pytest.mark.system
 async def test_router_prefers_affinity_then_room_then_least_loaded(client):
     from gateway.routing import RedisRouter, RoutingError
     reg = Registry(client)
@@ -176,6 +185,7 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(client):
         await RedisRouter(reg, "none", "redis://test").pick_verify("", set())
 
 
+@pytest.mark.system
 async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
     from gateway.routing import RedisRouter
     reg = Registry(client)
@@ -187,6 +197,7 @@ async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
     assert await router.pick_verify("tight:1", set(), need=lambda room: 90 + room) == "tight:1"
 
 
+@pytest.mark.system
 async def test_registry_skips_fields_it_does_not_know(client):
     """A worker of a newer release may register fields this gateway's WorkerInfo lacks."""
     reg = Registry(client)
@@ -198,6 +209,7 @@ async def test_registry_skips_fields_it_does_not_know(client):
     assert (info.address, info.capacity) == ("new:1", 300)
 
 
+@pytest.mark.system
 async def test_router_counts_its_own_reservations_before_the_next_heartbeat(client):
     from gateway.routing import RedisRouter
     reg = Registry(client)

@@ -12,7 +12,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.local import reference
 from fmaas import generation_pb2 as tgis_pb
 from fmaas import generation_pb2_grpc as tgis_grpc
 from tandem.client import build_request
@@ -23,6 +22,9 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 from tests.certs import CA, SERVER_NAME
+from tests.local import reference
+
+pytestmark = pytest.mark.system
 
 TOKEN, TGIS_ONLY, ROTATED = "tok-alpha-3f9c2e", "tok-tgis-77aa01", "tok-rotated-b1c4d8"
 REDIS_PASSWORD = "redis-pw-9d8e7f"
@@ -203,10 +205,16 @@ def test_a_service_without_an_explicit_transport_refuses_to_start(args, message)
     assert out.returncode != 0 and message in out.stderr
 
 
-def test_command_line_client_speaks_tls_with_a_token(stack, pki):
+def test_command_line_client_speaks_tls_with_a_token(stack, pki, tiny_pair, tiny_models):
     import io
 
+    from transformers import AutoTokenizer
+
     from tandem import client
-    last = client.run(stack.address("gateway"), "def f(x):", out=io.StringIO(), ca_file=pki["service"].ca,
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    expected = reference(tiny_models[0], tok("def f(x):").input_ids, SamplingParams(max_new_tokens=4))
+    out = io.StringIO()
+    last = client.run(stack.address("gateway"), "def f(x):", out=out, ca_file=pki["service"].ca,
                       server_name=SERVER_NAME, token=TOKEN, max_new_tokens=4)
-    assert 0 < last.usage.generated_tokens <= 4
+    assert last.usage.generated_tokens == len(expected) > 0
+    assert out.getvalue().startswith(tok.decode(expected, skip_special_tokens=True) + "\n\n[")   # then the summary

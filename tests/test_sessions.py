@@ -9,11 +9,11 @@ import grpc
 import pytest
 import redis
 
-from tests.local import reference
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tests.local import reference
 
 BUDGET = 300     # KV tokens per verify worker
 HEARTBEAT = 0.5
@@ -45,6 +45,7 @@ def turn(gateway, text, n, session_id, method="model"):
     return gateway.Generate(req, timeout=60)
 
 
+@pytest.mark.system
 def test_turns_continue_reuse_the_kv_cache_and_survive_eviction(gateway, tok, tiny_models, redis_server):
     model = tiny_models[0]
     greedy = lambda ids, n: reference(model, ids, SamplingParams(max_new_tokens=n, min_new_tokens=n))  # noqa: E731
@@ -84,6 +85,7 @@ def test_turns_continue_reuse_the_kv_cache_and_survive_eviction(gateway, tok, ti
     assert third.text == tok.decode(greedy(history + new, 12))
 
 
+@pytest.mark.system
 def test_request_that_cannot_fit_gets_resource_exhausted(gateway):
     with pytest.raises(grpc.RpcError) as err:
         gateway.Generate(build_request("def f():", max_new_tokens=BUDGET + 10, method="model", k=2), timeout=30)
@@ -91,18 +93,28 @@ def test_request_that_cannot_fit_gets_resource_exhausted(gateway):
     assert f"this worker's budget is {BUDGET}" in err.value.details()
 
 
-def test_second_request_of_a_busy_session_is_refused(gateway):
-    call = gateway.GenerateStream(build_request("def f():", max_new_tokens=200, method="model", k=1,
-                                                session_id="busy-1"), timeout=60)
+@pytest.mark.system
+def test_second_request_of_a_busy_session_is_refused(gateway, tok, tiny_models):
+    req = build_request("def f():", max_new_tokens=200, method="model", k=1, session_id="busy-1")
+    req.sampling.min_new_tokens = 200        # busy for a while, and a history of known length
+    call = gateway.GenerateStream(req, timeout=60)
     next(call)
     with pytest.raises(grpc.RpcError) as err:
         gateway.Generate(build_request("x", max_new_tokens=4, session_id="busy-1"), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "has another request in flight" in err.value.details()
     list(call)
-    assert gateway.Generate(build_request("x", max_new_tokens=4, session_id="busy-1"), timeout=30).text is not None
+    # Once the stream ends the session takes its next turn, which continues the first one's history:
+    # the refused request left nothing behind.
+    history = tok("def f():").input_ids
+    history += reference(tiny_models[0], history, SamplingParams(max_new_tokens=200, min_new_tokens=200))
+    new = tok("x", add_special_tokens=False).input_ids
+    later = gateway.Generate(build_request("x", max_new_tokens=4, session_id="busy-1"), timeout=30)
+    assert later.session_id == "busy-1" and later.usage.prompt_tokens == len(history) + len(new), later.usage
+    assert later.text == tok.decode(reference(tiny_models[0], history + new, SamplingParams(max_new_tokens=4)))
 
 
+@pytest.mark.system
 def test_unknown_session_id_starts_a_new_session(gateway):
     r = gateway.Generate(build_request("def f():", max_new_tokens=4, session_id="fresh-1"), timeout=30)
     assert r.session_id == "fresh-1" and r.usage.cached_prompt_tokens == 0
@@ -110,6 +122,7 @@ def test_unknown_session_id_starts_a_new_session(gateway):
     assert len(r.session_id) == 32           # generated, and returned so the client can continue it
 
 
+@pytest.mark.unit
 def test_chat_later_turn_closes_the_answer_and_skips_the_default_system_prompt(tiny_pair):
     from transformers import AutoTokenizer
 

@@ -2,7 +2,11 @@
 deadlines and worker restarts; every completed stream equals the target's greedy output and
 nothing leaks. See tests/soak.py."""
 
+import pytest
+
 from tests.soak import run_soak
+
+pytestmark = pytest.mark.system
 
 
 def test_short_soak(tiny_pair, tmp_path):

@@ -5,6 +5,8 @@ from transformers import AutoTokenizer
 
 from gateway.text import IncrementalDetokenizer, StopMatcher
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["Grüße aus Köln! Ça va? 日本語のテキスト。 Emoji: 🙂🚀 done",
          "def add(a, b):\n    return a + b\n", "🚀🚀🚀 x 🙂"]
 

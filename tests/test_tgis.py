@@ -9,6 +9,8 @@ from fmaas import generation_pb2 as fm
 from tandem.v1 import generation_pb2 as tpb
 from tests.stack import stack, wait_until_idle  # noqa: F401  (stack: the fixture)
 
+pytestmark = pytest.mark.service
+
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox", "class Point:"]
 TIMEOUT = 60
 

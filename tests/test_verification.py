@@ -1,8 +1,11 @@
 """The verification function alone: hand-computed cases, then the distribution it produces."""
 
+import pytest
 import torch
 
 from tandem.speculation.verification import verify_greedy, verify_sampled
+
+pytestmark = pytest.mark.unit
 
 
 def logits_for(choices: list[int], vocab: int = 5) -> torch.Tensor:
