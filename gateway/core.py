@@ -240,13 +240,14 @@ class _Run:
     async def events(self) -> AsyncIterator[Delta]:
         failed: set[str] = set()
         router = self.core.router
+        affinity = self.turn.affinity
         while True:
             # the KV the verify worker reserves for the rest of this request (prompt_ids hold the
             # delivered tokens' place: they are prompt to the next worker after a move)
             need = partial(kv_need, len(self.turn.prompt_ids), self.req.params.max_new_tokens,
                            max_context=self.core.max_context)
             try:
-                self.route = await router.route(self.req.method, self.turn.affinity, failed, need)
+                self.route = await router.route(self.req.method, affinity, failed, need)
             except RoutingError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             self.usage.draft_method = self.route.method
@@ -258,6 +259,8 @@ class _Run:
             except _WorkerLost as lost:
                 router.failed(lost.address)
                 failed.add(lost.address)
+                if lost.address == self.route.draft:
+                    affinity = self.route.verify       # it keeps the session's KV: continue there
                 if self.usage.migrations >= self.core.max_migrations:
                     log.warning("session %s: %s; giving up", self.turn.session_id, lost.message)
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE,

@@ -16,6 +16,7 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 from tests.local import reference
+from tests.test_observability_system import scrape
 
 pytestmark = pytest.mark.system
 
@@ -89,6 +90,35 @@ def test_kill_9_mid_stream_moves_the_session_and_loses_nothing(cluster, expected
         assert final.usage.generated_tokens == N
         assert text == expected                      # nothing missing, nothing repeated
         assert final.usage.draft_method == "model"   # the other draft worker took over, or kept going
+    finally:
+        replace_dead(cluster)
+
+
+def prefilled(stack: Stack) -> float:
+    """Prompt positions the live verify workers computed (not copied or kept), all together."""
+    key = ("tandem_verify_prefill_tokens_total", (("source", "computed"),))
+    seen = [scrape(stack, name).get(key) for name, proc in stack.procs.items()
+            if name.startswith("verify_worker") and proc.poll() is None]
+    assert any(v is not None for v in seen), "no verify worker exports the prefill counter"   # a rename fails here
+    return sum(v or 0.0 for v in seen)
+
+
+def test_a_lost_draft_worker_continues_on_the_verify_workers_cache(cluster, expected):
+    """The verify worker keeps the session's KV when the stream from its draft worker breaks, and
+    the gateway moves the session to another draft worker on the same verify worker: the
+    continuation prefills nothing, its prompt and delivered tokens being that cache already."""
+    victim, before = [], []
+
+    def kill():
+        before.append(prefilled(cluster))
+        victim.append(holder(cluster, "draft_worker"))
+        cluster.kill(victim[0], signal.SIGKILL)
+
+    try:
+        text, final = stream_with(cluster, long_request(), kill)
+        assert final.usage.migrations == 1 and final.usage.draft_method == "model"
+        assert text == expected
+        assert prefilled(cluster) - before[0] == 0
     finally:
         replace_dead(cluster)
 

@@ -123,8 +123,8 @@ class SessionKeeper:
         return not session_id or self.live_ids.get(session_id) == stream
 
     def release(self, stream: int, session: TargetSession | None, keep: bool) -> None:
-        """Ends a stream's reservation; a finished session is kept idle for its next turn, unless
-        another stream has taken it over."""
+        """Ends a stream's reservation; a kept session stays idle for its next turn or its
+        continuation, unless another stream has taken it over."""
         keep = keep and session is not None and self.owns(stream, session.session_id)
         if self.live.pop(stream, None) is not None:
             for sid in [s for s, owner in self.live_ids.items() if owner == stream]:

@@ -101,7 +101,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             try:
                 reuse = self.keeper.admit(id(context), session_id, need)
                 try:
-                    return self.engine.open(session_id, prompt_ids, params, reuse)
+                    if reuse is None:
+                        return self.engine.open(session_id, prompt_ids, params)
+                    # Between passes: a session whose stream broke mid-round may still be in a pass.
+                    return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse)
                 except KVPoolFull:
                     # Within budget, but no run of free slots is long enough. An earlier turn whose run
                     # could not grow gives it up (this turn prefills the history instead: reusing it
@@ -133,11 +136,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         session = self.sessions.pop(id(context), None)
         if session is not None:
             self.batcher.leave(session.cache)
-        # Only a session that finished is consistent to continue from; a broken one is dropped.
-        keep = session is not None and bool(session.stop_reason)
+        # A session whose stream broke is kept as well as a finished one: its cache holds the KV of
+        # its committed tokens (a verdict crops what it rejects before it returns), and the same
+        # session moved off a failed draft worker continues on it, reusing the prefix it shares
+        # with the new prompt instead of prefilling the prompt and the delivered tokens again.
+        keep = session is not None
         self.keeper.release(id(context), session, keep=keep)
         if session is not None:
-            log.info("session %s", "finished" if keep else "dropped", extra={"fields": {
+            log.info("session %s", "finished" if session.stop_reason else "ended early", extra={"fields": {
                 "prompt_tokens": session.prompt_len, "generated_tokens": session.generated,
                 "stop_reason": session.stop_reason, "kept_for_next_turn": keep}})
 
