@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.engine.batcher import Batcher
-from tandem.engine.kvpool import ForwardBatch, KVPool, KVPoolFull, SessionCache
+from tandem.engine.attention import ForwardBatch
+from tandem.engine.kvpool import KVPool, KVPoolFull, SessionCache
 from tandem.engine.modeling import CausalLM
 from tandem.engine.thread import InferenceThread
 from tandem.speculation.sampling import SamplingParams

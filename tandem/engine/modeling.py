@@ -11,7 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tandem.engine import gemm
-from tandem.engine.kvpool import ATTENTION, ForwardBatch, KVPool, SessionCache
+from tandem.engine.attention import ATTENTION, ForwardBatch
+from tandem.engine.kvpool import KVPool, SessionCache
 
 log = logging.getLogger(__name__)
 
