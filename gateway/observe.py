@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from gateway.core import Delta, Final, GatewayError
+from gateway.events import Delta, Final, GatewayError
 from gateway.request import GenRequest, InvalidRequest
 from tandem.service import logs, metrics, telemetry
 

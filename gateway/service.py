@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-
-from gateway.core import Delta, Final, GenerationCore, TokenReport, answers
+from gateway.core import GenerationCore
+from gateway.events import Delta, Final, TokenReport, answers
 from gateway.observe import OP_CHAT, OP_TEXT
 from gateway.request import (
     GenRequest,

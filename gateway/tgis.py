@@ -19,7 +19,8 @@ import grpc
 
 from fmaas import generation_pb2 as pb
 from fmaas import generation_pb2_grpc as pb_grpc
-from gateway.core import Delta, Final, GatewayError, GenerationCore, TokenReport, Usage, answers
+from gateway.core import GenerationCore
+from gateway.events import Delta, Final, GatewayError, TokenReport, Usage, answers
 from gateway.observe import OP_TEXT
 from gateway.request import (
     GenRequest,
