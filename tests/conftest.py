@@ -47,3 +47,13 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_server):
+    """A client of the module's private redis-server, its database emptied first."""
+    from tandem.cluster.redis_conn import connect
+    c = connect(redis_server.url)
+    await c.flushdb()
+    yield c
+    await c.aclose()

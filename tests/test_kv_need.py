@@ -4,7 +4,6 @@ that routes and reserves, the verify worker that admits, and the draft worker th
 import pytest
 
 from gateway.routing import RedisRouter
-from tandem.cluster.redis_conn import connect
 from tandem.cluster.registry import VERIFY, Registry, WorkerInfo
 from tandem.engine.kvpool import kv_need, proposal_room
 from tandem.speculation.sampling import SamplingParams
@@ -12,14 +11,6 @@ from tandem.v1 import generation_pb2 as pb
 from tests.stack import stack  # noqa: F401  (the fixture)
 
 P, N, CONTEXT = 30, 50, 512
-
-
-@pytest.fixture
-async def client(redis_server):
-    c = connect(redis_server.url)
-    await c.flushdb()
-    yield c
-    await c.aclose()
 
 
 @pytest.mark.service
@@ -39,11 +30,11 @@ async def test_the_gateway_reserves_what_the_verify_worker_does(stack):
 
 
 @pytest.mark.system
-async def test_routing_counts_the_room_of_each_reservation(client):
+async def test_routing_counts_the_room_of_each_reservation(redis_client):
     """A worker with room for one session, room included, takes one; the second goes elsewhere."""
     room = proposal_room(16)
     one = kv_need(P, N, room, CONTEXT)
-    reg = Registry(client)
+    reg = Registry(redis_client)
     await reg.register(WorkerInfo("tight:1", VERIFY, "m", capacity=1000, kv_free=2 * (P + N) + room,
                                   kv_margin=room), ttl=5)
     await reg.register(WorkerInfo("roomy:1", VERIFY, "m", capacity=1000, kv_free=1000, load=5, kv_margin=room), ttl=5)

@@ -17,17 +17,9 @@ from verify_worker.engine import TargetSession
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 
 
-@pytest.fixture
-async def client(redis_server):
-    c = connect(redis_server.url)
-    await c.flushdb()
-    yield c
-    await c.aclose()
-
-
 @pytest.mark.system
-async def test_register_list_and_deregister(client):
-    reg = Registry(client)
+async def test_register_list_and_deregister(redis_client):
+    reg = Registry(redis_client)
     await reg.register(WorkerInfo("h:1", VERIFY, "m", load=2), ttl=5)
     await reg.register(WorkerInfo("h:2", VERIFY, "m"), ttl=5)
     await reg.register(WorkerInfo("h:3", DRAFT, "m", methods=["ngram"]), ttl=5)
@@ -39,22 +31,22 @@ async def test_register_list_and_deregister(client):
 
 
 @pytest.mark.system
-async def test_a_worker_that_stops_beating_expires(client):
-    reg = Registry(client)
+async def test_a_worker_that_stops_beating_expires(redis_client):
+    reg = Registry(redis_client)
     beat = Heartbeat(reg, lambda: WorkerInfo("h:9", VERIFY, "m"), interval=0.1)
     await beat.start()
-    assert 0 < await client.pttl("tandem:worker:verify:h:9") <= 300      # TTL = three intervals
+    assert 0 < await redis_client.pttl("tandem:worker:verify:h:9") <= 300      # TTL = three intervals
     await asyncio.sleep(0.35)
     assert [w.address for w in await reg.workers(VERIFY)] == ["h:9"]   # renewed past the first TTL
     beat._task.cancel()                                                 # dies without deregistering
     await asyncio.sleep(0.4)
     assert await reg.workers(VERIFY) == []
-    assert await client.smembers("tandem:workers:verify") == set()      # the index is pruned too
+    assert await redis_client.smembers("tandem:workers:verify") == set()      # the index is pruned too
 
 
 @pytest.mark.system
-async def test_clean_stop_deregisters_at_once(client):
-    reg = Registry(client)
+async def test_clean_stop_deregisters_at_once(redis_client):
+    reg = Registry(redis_client)
     beat = Heartbeat(reg, lambda: WorkerInfo("h:8", DRAFT, "m"), interval=10)
     await beat.start()
     assert len(await reg.workers(DRAFT)) == 1
@@ -63,14 +55,14 @@ async def test_clean_stop_deregisters_at_once(client):
 
 
 @pytest.mark.system
-async def test_session_record_round_trip_ttl_and_lock(client):
-    store = SessionStore(client, ttl=60, lock_ttl=5)
+async def test_session_record_round_trip_ttl_and_lock(redis_client):
+    store = SessionStore(redis_client, ttl=60, lock_ttl=5)
     assert await store.get("s1") is None
     await store.save(SessionRecord("s1", tokens=[1, 2, 3], verify="h:1", turns=1))
-    await client.pexpire("tandem:session:s1", 1000)
+    await redis_client.pexpire("tandem:session:s1", 1000)
     rec = await store.get("s1")                                         # use refreshes the TTL
     assert (rec.tokens, rec.verify, rec.turns) == ([1, 2, 3], "h:1", 1)
-    assert await client.pttl("tandem:session:s1") > 50_000
+    assert await redis_client.pttl("tandem:session:s1") > 50_000
     assert await store.lock("s1", "a") and not await store.lock("s1", "b")
     await store.unlock("s1", "b")                                       # not b's lock: kept
     assert not await store.lock("s1", "c")
@@ -164,9 +156,9 @@ def test_local_runs_use_redis_url_then_the_default_server_then_a_private_one(mon
 
 
 @pytest.mark.system
-async def test_router_prefers_affinity_then_room_then_least_loaded(client):
+async def test_router_prefers_affinity_then_room_then_least_loaded(redis_client):
     from gateway.routing import RedisRouter, RoutingError
-    reg = Registry(client)
+    reg = Registry(redis_client)
     router = RedisRouter(reg, "m", "redis://test")
     for address, load, free in (("x:1", 0, 20), ("y:1", 2, 300), ("z:1", 1, 300)):
         await reg.register(WorkerInfo(address, VERIFY, "m", capacity=300, load=load, kv_free=free), ttl=5)
@@ -186,9 +178,9 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(client):
 
 
 @pytest.mark.system
-async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
+async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(redis_client):
     from gateway.routing import RedisRouter
-    reg = Registry(client)
+    reg = Registry(redis_client)
     router = RedisRouter(reg, "m", "redis://test")
     # 110 free fits a 100-token request only without the 17 positions that worker keeps for a proposal
     await reg.register(WorkerInfo("tight:1", VERIFY, "m", capacity=300, load=0, kv_free=110, kv_margin=17), ttl=5)
@@ -198,21 +190,21 @@ async def test_router_counts_the_room_a_worker_keeps_for_a_proposal(client):
 
 
 @pytest.mark.system
-async def test_registry_skips_fields_it_does_not_know(client):
+async def test_registry_skips_fields_it_does_not_know(redis_client):
     """A worker of a newer release may register fields this gateway's WorkerInfo lacks."""
-    reg = Registry(client)
+    reg = Registry(redis_client)
     await reg.register(WorkerInfo("new:1", VERIFY, "m", capacity=300), ttl=5)
     key = registry._key(VERIFY, "new:1")
-    record = json.loads(await client.get(key))
-    await client.set(key, json.dumps({**record, "some_later_field": [1, 2]}), px=5000)
+    record = json.loads(await redis_client.get(key))
+    await redis_client.set(key, json.dumps({**record, "some_later_field": [1, 2]}), px=5000)
     [info] = await reg.workers(VERIFY)
     assert (info.address, info.capacity) == ("new:1", 300)
 
 
 @pytest.mark.system
-async def test_router_counts_its_own_reservations_before_the_next_heartbeat(client):
+async def test_router_counts_its_own_reservations_before_the_next_heartbeat(redis_client):
     from gateway.routing import RedisRouter
-    reg = Registry(client)
+    reg = Registry(redis_client)
     router = RedisRouter(reg, "m", "redis://test")
     await reg.register(WorkerInfo("full:1", VERIFY, "m", capacity=300, load=0, kv_free=50), ttl=5)
     await reg.register(WorkerInfo("room:1", VERIFY, "m", capacity=300, load=0, kv_free=300), ttl=5)
