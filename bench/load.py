@@ -1,5 +1,8 @@
 """make bench-load: the service under N concurrent streams, with speculation on and off.
 
+Longer than 300 lines because one run (levels, modes, host probes, the table and the JSON) is read
+as one script.
+
 For each model pair the service is started (tandem.launch.Stack); for each level N, N streams on one
 grpc.aio channel call tandem.v1 GenerateStream, each sending chat code-editing requests back to back:
 until --seconds have passed (a request already running is finished), or, with --requests-per-stream,

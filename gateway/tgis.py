@@ -5,6 +5,9 @@ Tandem's speculation knobs, so those arrive as request metadata (x-tandem-*). TG
 Tandem does not implement (prefix_id, adapter_id, guided decoding) are refused with
 INVALID_ARGUMENT naming the field, never silently ignored: a client asking for them would
 otherwise get output it did not ask for.
+
+Longer than 300 lines because the face is one conversion: validating TGIS's Parameters, running
+a batch or a stream, and building its responses share the one _Job they all read.
 """
 
 from __future__ import annotations

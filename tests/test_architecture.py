@@ -52,3 +52,20 @@ def test_engine_and_speculation_import_no_plumbing(layer):
 def test_the_check_sees_imports():
     """The checks above can fail: this module's own imports are seen."""
     assert "ast" in imported("tests")["tests/test_architecture.py"]
+
+
+LONG = 300
+
+
+def test_long_modules_say_why():
+    """A module over 300 lines says in its docstring why it is longer (generated code aside)."""
+    silent = []
+    for package in (*SERVICES, "tandem", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")) or text.count("\n") <= LONG:
+                continue
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if f"Longer than {LONG} lines because" not in doc:
+                silent.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert silent == []
