@@ -39,12 +39,22 @@ class Draft:
 
 
 class DraftState(Protocol):
+    """One session's drafting. An `inline` state proposes with propose() on the event loop (no
+    torch, cheaper than a thread hop); any other proposes with propose_batched() through the
+    worker's batcher, sharing forward passes with other sessions, or with propose() on the
+    inference thread when the worker batches nothing."""
+    inline: bool
     def propose(self, context: list[int], k: int) -> Draft: ...
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft: ...
+    def kv_bytes(self) -> int: ...
     def close(self) -> None: ...
 
 
 class Drafter(Protocol):
     name: str
+    # A draft model: its vocabulary must be the target's, and drafting ahead while the target
+    # verifies (the worker's --pipeline) pays only for it.
+    uses_model: bool
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
               room: int = proposal_room()) -> DraftState: ...
 
@@ -59,6 +69,7 @@ class ModelDrafter:
     of the KV pool."""
 
     name = "model"
+    uses_model = True
     MIN_SHARED = 16
 
     def __init__(self, model: CausalLM, confidence: float = 0.0, keep_share: float = 0.25) -> None:
@@ -110,6 +121,8 @@ class ModelDrafter:
 
 
 class _ModelDraftState:
+    inline = False
+
     def __init__(self, drafter: ModelDrafter, params: SamplingParams, eos_ids: list[int], prompt_len: int,
                  room: int):
         self.drafter, self.model = drafter, drafter.model
@@ -151,6 +164,9 @@ class _ModelDraftState:
         self.cache.crop(keep)
         self.cached = self.cached[:keep]
         return _Proposal(self, context, k, context[keep:])
+
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes()
 
     def close(self) -> None:
         self.drafter._live.discard(self)
@@ -194,7 +210,8 @@ class NgramDrafter:
     (n = max_ngram down to min_ngram) and propose what followed it."""
 
     name = "ngram"
-    inline = True        # a list search, no torch: cheaper on the event loop than a thread hop
+    uses_model = False
+    inline = True        # a list search, no torch
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -215,6 +232,12 @@ class NgramDrafter:
                     if follow:
                         return Draft(follow, kind=n)
         return Draft([])
+
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
+        return self.propose(context, k)
+
+    def kv_bytes(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

@@ -85,7 +85,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             await call.write(pb.VerifyRequest(open=pb.OpenSession(
                 session_id=request.session_id, prompt_ids=prompt, sampling=request.sampling)))
             opened = (await self._read(call, context)).opened
-            if drafter.name == "model" and self.vocab_size not in (None, opened.vocab_size):
+            if drafter.uses_model and self.vocab_size not in (None, opened.vocab_size):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"draft model vocabulary ({self.vocab_size}) does not match the "
                                     f"target's ({opened.vocab_size})")
@@ -116,7 +116,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     # Plain rounds in a row go as one request: the verify worker decodes them
                     # back to back without waiting for a round trip each.
                     run = control.plain_run() if control is not None and not draft.tokens else 1
-                    if self.pipeline and draft.tokens and drafter.name == "model":
+                    if self.pipeline and draft.tokens and drafter.uses_model:
                         # While the target verifies, draft on as if it accepted everything: the
                         # draft's own next token is its guess of the bonus token.
                         ahead = self._propose(state, tokens + draft.tokens, request.num_speculative_tokens + 1)
@@ -212,12 +212,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def _propose(self, state, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts the next proposal in the background: (Draft, seconds until it was ready)."""
-        if getattr(state, "inline", False):
+        if state.inline:
             start = time.perf_counter()
             done = asyncio.get_running_loop().create_future()
             done.set_result((state.propose(tokens, k), time.perf_counter() - start))
             return done
-        if self.batcher is None or not hasattr(state, "propose_batched"):
+        if self.batcher is None:
             return asyncio.ensure_future(self.inference.run_timed(state.propose, tokens, k))
 
         async def batched():
@@ -241,7 +241,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return verdict, time.perf_counter() - since
 
     async def Status(self, request, context) -> pb.WorkerStatus:
-        kv = sum(s.cache.nbytes() for s in self.sessions.values() if hasattr(s, "cache"))
+        kv = sum(s.kv_bytes() for s in self.sessions.values())
         return pb.WorkerStatus(model=",".join(sorted(self.drafters)), live_sessions=len(self.sessions),
                                kv_bytes=kv)
 
