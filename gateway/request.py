@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
@@ -89,31 +90,32 @@ def check_sampling(limits: Limits, *, temperature: float, top_k: int, top_p: flo
 
 def check_processing(limits: Limits, params: SamplingParams, *, typical_p: float = 0.0,
                      repetition_penalty: float = 0.0, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, length_penalty: tuple[int, float] | None = None
-                     ) -> SamplingParams:
+                     frequency_penalty: float = 0.0, length_penalty: tuple[int, float] | None = None,
+                     where: Callable[[str], str] = lambda name: name) -> SamplingParams:
     """Validates the penalties and typical-p; 0 for typical_p and repetition_penalty means 'off'.
-    length_penalty: (start_index, decay_factor), transformers' exponential decay length penalty."""
+    length_penalty: (start_index, decay_factor), transformers' exponential decay length penalty.
+    where: a field's name as the face's clients know it (its path in their request)."""
     def finite(name: str, value: float) -> float:
         if not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be a finite number, got {value}")
+            raise InvalidRequest(f"{where(name)} must be a finite number, got {value}")
         return value
 
     typical_p = finite("typical_p", typical_p) or 1.0
     if not 0 < typical_p <= 1:
-        raise InvalidRequest(f"typical_p must be in (0, 1] (0 = off), got {typical_p}")
+        raise InvalidRequest(f"{where('typical_p')} must be in (0, 1] (0 = off), got {typical_p}")
     repetition_penalty = finite("repetition_penalty", repetition_penalty) or 1.0
     if not MIN_REPETITION_PENALTY <= repetition_penalty <= limits.max_repetition_penalty:
-        raise InvalidRequest(f"repetition_penalty must be between {MIN_REPETITION_PENALTY:g} and "
+        raise InvalidRequest(f"{where('repetition_penalty')} must be between {MIN_REPETITION_PENALTY:g} and "
                              f"{limits.max_repetition_penalty:g} (0 or 1 = off), got {repetition_penalty}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not -2 <= finite(name, value) <= 2:
-            raise InvalidRequest(f"{name} must be between -2 and 2, got {value}")
+            raise InvalidRequest(f"{where(name)} must be between -2 and 2, got {value}")
     start, decay = length_penalty or (0, 1.0)
     if not 1 <= finite("length_penalty.decay_factor", decay) <= limits.max_length_decay:
-        raise InvalidRequest(f"length_penalty.decay_factor must be between 1 and {limits.max_length_decay:g}, "
-                             f"got {decay}")
+        raise InvalidRequest(f"{where('length_penalty.decay_factor')} must be between 1 and "
+                             f"{limits.max_length_decay:g}, got {decay}")
     if start < 0:
-        raise InvalidRequest(f"length_penalty.start_index must be >= 0, got {start}")
+        raise InvalidRequest(f"{where('length_penalty.start_index')} must be >= 0, got {start}")
     return replace(params, typical_p=float(typical_p), repetition_penalty=float(repetition_penalty),
                    presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                    length_start=int(start), length_decay=float(decay))

@@ -7,17 +7,8 @@ import logging
 from gateway.core import GenerationCore
 from gateway.events import Delta, Final, TokenReport, answers
 from gateway.observe import OP_CHAT, OP_TEXT
-from gateway.request import (
-    GenRequest,
-    InvalidRequest,
-    Limits,
-    check_processing,
-    check_reports,
-    check_sampling,
-    check_session_id,
-    check_speculation,
-    truncate,
-)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 from tandem.speculation.finish import Finish
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc

@@ -25,17 +25,8 @@ from fmaas import generation_pb2_grpc as pb_grpc
 from gateway.core import GenerationCore
 from gateway.events import Delta, Final, GatewayError, TokenReport, Usage, answers
 from gateway.observe import OP_TEXT
-from gateway.request import (
-    GenRequest,
-    InvalidRequest,
-    Limits,
-    check_processing,
-    check_reports,
-    check_sampling,
-    check_session_id,
-    check_speculation,
-    truncate,
-)
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+                             check_sampling, check_session_id, check_speculation, truncate)
 from tandem.speculation.finish import Finish
 
 log = logging.getLogger(__name__)
@@ -47,6 +38,11 @@ MD_SESSION = "x-tandem-session-id"
 _STOP_REASON = {Finish.LENGTH: pb.MAX_TOKENS, Finish.EOS: pb.EOS_TOKEN, Finish.STOP_SEQUENCE: pb.STOP_SEQUENCE,
                 Finish.CONTEXT_LENGTH: pb.TOKEN_LIMIT, Finish.TIME_LIMIT: pb.TIME_LIMIT}
 _GUIDED_FIELDS = ("format", "json_schema", "regex", "choice", "grammar")
+
+
+def _tgis_path(name: str) -> str:
+    """Where check_processing's fields live in TGIS's Parameters."""
+    return ("params.sampling." if name == "typical_p" else "params.decoding.") + name
 
 
 def _unsupported(field: str) -> InvalidRequest:
@@ -146,14 +142,10 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                                 default_max_new_tokens=self.limits.tgis_default_max_new_tokens)
         d = p.decoding
         length = d.length_penalty
-        try:
-            params = check_processing(self.limits, params, typical_p=typical_p,
-                                      repetition_penalty=d.repetition_penalty,
-                                      length_penalty=((length.start_index, length.decay_factor)
-                                                      if d.HasField("length_penalty") else None))
-        except InvalidRequest as e:
-            where = "params.sampling." if str(e).startswith("typical_p") else "params.decoding."
-            raise InvalidRequest(where + str(e)) from None
+        params = check_processing(self.limits, params, typical_p=typical_p, repetition_penalty=d.repetition_penalty,
+                                  length_penalty=((length.start_index, length.decay_factor)
+                                                  if d.HasField("length_penalty") else None),
+                                  where=_tgis_path)
         r = p.response
         # TGIS reports details only of the tokens it returns: generated_tokens and input_tokens say
         # which; token_logprobs, token_ranks and top_n_tokens what each TokenInfo carries.

@@ -92,13 +92,18 @@ class VerifyEngine:
         todo = s.tokens[s.cache.length:s.prompt_len - 1]
         return [todo[i:i + chunk] for i in range(0, len(todo), chunk)]
 
+    @staticmethod
+    def prefill_rows(s: TargetSession) -> int | None:
+        """The logits rows a prefill chunk keeps (`last`): all of them for prompt logprobs, else
+        none is used, and one is the least a forward pass returns."""
+        return None if s.params.prompt_logprobs else 1
+
     def prefill(self, s: TargetSession, chunk: int = 1 << 30) -> list[TokenLogprob]:
         """Feeds the prompt; returns the prompt tokens' reports when the session asks for them."""
         reports: list[TokenLogprob] = []
         for piece in self.prefill_chunks(s, chunk):
             start = s.cache.length
-            logits = self.model.forward(piece, s.cache, last=None if s.params.prompt_logprobs else 1)
-            reports += self.prompt_report(s, logits, start)
+            reports += self.prompt_report(s, self.model.forward(piece, s.cache, last=self.prefill_rows(s)), start)
         return reports
 
     @staticmethod

@@ -78,7 +78,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
                 report = partial(self.engine.prompt_report, session, start=session.cache.length)
-                ran = await self.batcher.forward(session.cache, chunk, None if params.prompt_logprobs else 1,
+                ran = await self.batcher.forward(session.cache, chunk, self.engine.prefill_rows(session),
                                                  report, prefill=True)
                 seconds += ran.seconds
                 reports += ran.value
@@ -140,12 +140,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         # its committed tokens (a verdict crops what it rejects before it returns), and the same
         # session moved off a failed draft worker continues on it, reusing the prefix it shares
         # with the new prompt instead of prefilling the prompt and the delivered tokens again.
-        keep = session is not None
-        self.keeper.release(id(context), session, keep=keep)
+        self.keeper.release(id(context), session, keep=True)
         if session is not None:
             log.info("session %s", "finished" if session.stop_reason else "ended early", extra={"fields": {
                 "prompt_tokens": session.prompt_len, "generated_tokens": session.generated,
-                "stop_reason": session.stop_reason, "kept_for_next_turn": keep}})
+                "stop_reason": session.stop_reason,
+                "kept_for_next_turn": self.keeper.idle.get(session.session_id) is session}})
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         session = None
