@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tandem.engine.batcher import Step
 from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix, kv_need, proposal_room
+from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
 
@@ -77,7 +78,7 @@ class ModelDrafter:
         self.confidence = confidence
         self.keep_tokens = int(keep_share * model.pool.slots)
         self._live: weakref.WeakSet[_ModelDraftState] = weakref.WeakSet()
-        self._kept: OrderedDict[int, tuple[list[int], SessionCache]] = OrderedDict()
+        self._kept: KeptCaches[tuple[list[int], SessionCache]] = KeptCaches(lambda kept: kept[1])
         self._lock = threading.Lock()           # start() runs on the event loop, the rest on the inference thread
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
@@ -99,25 +100,21 @@ class ModelDrafter:
             cache.release()
             return
         with self._lock:
-            self._kept[id(cache)] = (cached, cache)
-            while sum(c.capacity for _, c in self._kept.values()) > self.keep_tokens:
-                self._kept.popitem(last=False)[1][1].release()
+            self._kept.put(id(cache), (cached, cache))
+            self._kept.trim(self.keep_tokens)
 
     def share(self, state: _ModelDraftState, context: list[int]) -> None:
         """Fills an empty cache with the longest prefix of context (all but its last token) that
         another live or kept cache holds. On the inference thread, between passes."""
         want = context[:len(context) - 1]
         with self._lock:
-            donors = [(s.cached, s.cache) for s in list(self._live)] + list(self._kept.values())
+            donors = [(s.cached, s.cache) for s in list(self._live)] + self._kept.values()
             if copy_longest_prefix(state.cache, want, donors, self.MIN_SHARED):
                 state.cached = want[:state.cache.length]
 
     def _drop_kept(self) -> bool:
         with self._lock:
-            if not self._kept:
-                return False
-            self._kept.popitem(last=False)[1][1].release()
-            return True
+            return self._kept.evict_oldest()
 
 
 class _ModelDraftState:
@@ -151,7 +148,7 @@ class _ModelDraftState:
         proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
-            feed = (await batcher.forward(self.cache, feed, 1, proposal.take, returns=True)).value
+            feed = (await batcher.forward(Step(self.cache, feed, 1, proposal.take, returns=True))).value
         batcher.leave(self.cache)              # nothing more until the verdict comes back
         return proposal.draft()
 

@@ -4,7 +4,7 @@ workers use: for tests that need thousands of generations and for measuring what
 from __future__ import annotations
 
 from draft_worker.drafters import Drafter
-from draft_worker.service import plan_k
+from draft_worker.speculation import plan_k
 from tandem.engine.modeling import CausalLM
 from tandem.service import wire
 from tandem.speculation.sampling import SamplingParams, choose, make_generator, process

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.engine.batcher import Batcher
+from tandem.engine.batcher import Batcher, Step
 from tandem.engine.attention import ForwardBatch
 from tandem.engine.kvpool import KVPool, KVPoolFull, SessionCache
 from tandem.engine.modeling import CausalLM
@@ -167,14 +167,14 @@ def test_batcher_runs_concurrent_sessions_in_shared_passes(tiny_models):
 
     async def decode(batcher, prompt):
         cache = model.new_cache(len(prompt) + params.max_new_tokens)
-        logits = (await batcher.forward(cache, prompt, 1)).value
+        logits = (await batcher.forward(Step(cache, prompt, 1))).value
         out = []
         while len(out) < params.max_new_tokens:
             t = int(logits[0].argmax())
             if t in model.eos_ids:
                 break
             out.append(t)
-            logits = (await batcher.forward(cache, [t], 1)).value
+            logits = (await batcher.forward(Step(cache, [t], 1))).value
         return out
 
     async def main():
@@ -204,8 +204,8 @@ def test_batcher_fails_only_the_item_that_breaks(tiny_models):
         def boom(logits):
             raise RuntimeError("a bad follow-up")
         try:
-            return await asyncio.gather(batcher.forward(good, [1, 2], 1), batcher.forward(bad, [1, 2], 1),
-                                        batcher.forward(raising, [1, 2], 1, boom), return_exceptions=True)
+            return await asyncio.gather(batcher.forward(Step(good, [1, 2], 1)), batcher.forward(Step(bad, [1, 2], 1)),
+                                        batcher.forward(Step(raising, [1, 2], 1, boom)), return_exceptions=True)
         finally:
             thread.shutdown()
 
@@ -227,10 +227,10 @@ def test_a_short_budget_cuts_the_longest_proposals_so_every_round_goes(tiny_mode
         for c in caches:
             model.forward([1, 2, 3], c)
         try:
-            first = await asyncio.gather(*(batcher.forward(c, list(range(4, 4 + n)), None, least=1)
+            first = await asyncio.gather(*(batcher.forward(Step(c, list(range(4, 4 + n)), None, least=1))
                                            for c, n in zip(caches, (10, 10, 2))))
-            whole = await asyncio.gather(batcher.forward(caches[3], list(range(4, 14)), None),
-                                         batcher.forward(caches[0], [5, 6, 7, 8], None, least=1))
+            whole = await asyncio.gather(batcher.forward(Step(caches[3], list(range(4, 14)), None)),
+                                         batcher.forward(Step(caches[0], [5, 6, 7, 8], None, least=1)))
             return first, whole
         finally:
             thread.shutdown()
@@ -253,7 +253,7 @@ def test_a_fragmented_pool_evicts_the_fewest_idle_sessions_that_make_a_run():
         caches[2].release()
         keeper = SessionKeeper(10)
         for sid, c in (("b", caches[1]), ("c", caches[3])):
-            keeper.idle[sid] = TargetSession(sid, SamplingParams(), 1, [1], c)
+            keeper.idle.put(sid, TargetSession(sid, SamplingParams(), 1, [1], c))
         return pool, keeper, caches
 
     pool, keeper, caches = layout()

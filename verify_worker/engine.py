@@ -5,6 +5,7 @@ Everything here runs on the worker's single inference thread; nothing here knows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,23 @@ class VerifyEngine:
             # row i of the raw logits is the distribution token_ids[i] was decided from
             verdict.logprobs = logprobs_of(logits, verdict.token_ids, s.params.top_logprobs)
         return verdict
+
+    def judge_fed(self, s: TargetSession, proposed: list[int],
+                  draft_probs: Callable[[], torch.Tensor | None], logits: torch.Tensor) -> VerdictResult:
+        """judge for a proposal the batcher may have cut to fit its pass: `logits` has a row per
+        token fed, so the first len(logits) - 1 proposed tokens are judged. draft_probs() builds the
+        whole proposal's q (only sampling needs it); its ValueError rolls the pass back and is a
+        ProtocolError."""
+        k = logits.shape[0] - 1
+        q = None
+        if not s.params.greedy:
+            try:
+                q = draft_probs()
+                q = None if q is None else q[:k]
+            except ValueError as e:
+                s.cache.crop(len(s.tokens) - 1)
+                raise ProtocolError(str(e)) from None
+        return self.judge(s, proposed[:k], q, logits)
 
     def verify(self, s: TargetSession, proposed: list[int],
                draft_probs: torch.Tensor | None = None) -> VerdictResult:

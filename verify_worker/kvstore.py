@@ -10,8 +10,10 @@ session is evicted (its next turn is rebuilt from the token history the gateway 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
+from tandem.engine.kvpool import KVPool, KVPoolFull
+from tandem.engine.lru import KeptCaches
 from tandem.service import metrics, telemetry
 from verify_worker.engine import TargetSession
 
@@ -33,11 +35,11 @@ class SessionKeeper:
         self._space = asyncio.Event()         # set when a reservation ends or an idle session goes
         self.live: dict[int, int] = {}        # reserved tokens by stream
         self.live_ids: dict[str, int] = {}    # the stream that owns each live session id
-        self.idle: OrderedDict[str, TargetSession] = OrderedDict()   # least recently used first
+        self.idle: KeptCaches[TargetSession] = KeptCaches(lambda s: s.cache, self._evicted)
         self.evictions = 0
 
     def used(self) -> int:
-        return sum(self.live.values()) + self._idle_tokens()
+        return sum(self.live.values()) + self.idle.tokens()
 
     def free(self) -> int:
         return max(0, self.budget - sum(self.live.values())) if self.budget else 0
@@ -56,22 +58,61 @@ class SessionKeeper:
         if self.budget and reserved + need > self.budget:     # checked first: evict nothing in vain
             raise KVBudgetExceeded(f"KV budget full: {len(self.live)} live sessions hold {reserved} of "
                                    f"{self.budget} tokens; the request needs {need}")
-        reuse = self.idle.pop(session_id, None) if session_id else None
-        while self.budget and self.idle and reserved + need + self._idle_tokens() > self.budget:
-            self.evict_one()
+        reuse = self.idle.take(session_id) if session_id else None
+        if self.budget:
+            self.idle.trim(self.budget - reserved - need)
         self.live[stream] = need
         if session_id:
             self.live_ids[session_id] = stream
         return reuse
 
+    async def place(self, stream: int, session_id: str, need: int,
+                    open_session: Callable[[TargetSession | None], Awaitable[TargetSession]],
+                    pool: KVPool, between_passes: Callable[..., Awaitable]) -> TargetSession:
+        """Admits a stream's session and gives it a run of `need` KV slots: `open_session(reuse)`
+        builds it, reusing the earlier turn `reuse` when one is kept, and raises KVPoolFull when no
+        run of free slots is long enough. Waits in the admission queue while the budget is full;
+        raises KVBudgetExceeded when it stays full past the admission timeout (or never could fit).
+
+        Within the budget but fragmented: an earlier turn whose run could not grow gives it up (this
+        turn prefills the history instead: reusing it would need its run and a longer one at once).
+        Then the idle turns that make a run are evicted (no copy), else the pool is compacted once
+        (`between_passes`: no pass may run while runs move), then idle turns are evicted, then the
+        request waits like any that does not fit."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission_timeout
+        compacted = False
+        while True:
+            try:
+                reuse = self.admit(stream, session_id, need)
+                try:
+                    return await open_session(reuse)
+                except KVPoolFull:
+                    self.release(stream, None, keep=False)
+                    if reuse is not None:
+                        self._evicted(session_id, reuse)
+                        continue
+                    if self.evict_for(pool, need):
+                        continue
+                    if not compacted:
+                        compacted = True
+                        await between_passes(pool.compact)
+                        continue
+                    if self.evict_one():
+                        continue
+                    raise KVBudgetExceeded(f"KV pool fragmented: no free run of {need} positions") from None
+            except KVBudgetExceeded as e:
+                left = deadline - loop.time()
+                if e.never or left <= 0:
+                    raise
+                compacted = False
+                await self.wait_for_space(left)
+
     def evict_one(self) -> bool:
         """Drops the least recently used idle session and frees its KV; False when none is idle."""
-        if not self.idle:
-            return False
-        self.evict(*self.idle.popitem(last=False))
-        return True
+        return self.idle.evict_oldest()
 
-    def evict(self, evicted: str, session: TargetSession) -> None:
+    def _evicted(self, evicted: str, session: TargetSession) -> None:
         """Frees an idle session's KV (one no longer in `idle`), counted as an eviction."""
         self.evictions += 1
         metrics.EVICTIONS.inc()
@@ -103,7 +144,7 @@ class SessionKeeper:
         if best is None or not best[1]:
             return False
         for sid in best[1]:
-            self.evict(sid, self.idle.pop(sid))
+            self.idle.evict(sid)
         return True
 
     async def wait_for_space(self, timeout: float) -> None:
@@ -131,8 +172,4 @@ class SessionKeeper:
                 del self.live_ids[sid]
             self._space.set()
         if keep and session is not None and session.session_id:
-            self.idle.pop(session.session_id, None)
-            self.idle[session.session_id] = session
-
-    def _idle_tokens(self) -> int:
-        return sum(s.cache.capacity for s in self.idle.values())
+            self.idle.put(session.session_id, session)

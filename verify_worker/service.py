@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from functools import partial
 
 import grpc
 
-from tandem.engine.batcher import Batcher, Ran
-from tandem.engine.kvpool import KVPoolFull
+from tandem.engine.batcher import Batcher, Ran, Step
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.service.telemetry import round_attributes
 from tandem.v1 import internal_pb2 as pb
@@ -63,11 +61,21 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         need = self.engine.capacity(len(prompt_ids), params)
+
+        async def open_session(reuse: TargetSession | None) -> TargetSession:
+            if reuse is None:
+                return self.engine.open(session_id, prompt_ids, params)
+            # Between passes: a session whose stream broke mid-round may still be in a pass.
+            return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse)
+
         try:
-            session = await self._admit(context, session_id, prompt_ids, params, need)
+            session = await self.keeper.place(id(context), session_id, need, open_session,
+                                              self.engine.model.pool, self.batcher.between_passes)
         except ProtocolError as e:
             self.keeper.release(id(context), None, keep=False)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVBudgetExceeded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         reports = []
         if self.share_prefixes and not params.prompt_logprobs:     # prompt logprobs need every row
             donors = [*self.sessions.values(), *self.keeper.idle.values()]
@@ -78,8 +86,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
                 report = partial(self.engine.prompt_report, session, start=session.cache.length)
-                ran = await self.batcher.forward(session.cache, chunk, self.engine.prefill_rows(session),
-                                                 report, prefill=True)
+                ran = await self.batcher.forward(Step(session.cache, chunk, self.engine.prefill_rows(session),
+                                                      report, prefill=True))
                 seconds += ran.seconds
                 reports += ran.value
             if span is not None:
@@ -89,48 +97,6 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.PREFILL_TOKENS.labels("computed").inc(max(0, computed))
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
         return session, cached, wire.logprobs_to_proto(reports)
-
-    async def _admit(self, context, session_id: str, prompt_ids: list[int], params, need: int) -> TargetSession:
-        """Reserves KV for the session, waiting in the admission queue while the pool is full;
-        RESOURCE_EXHAUSTED when it stays full past the admission timeout (or the request could
-        never fit)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.keeper.admission_timeout
-        compacted = False
-        while True:
-            try:
-                reuse = self.keeper.admit(id(context), session_id, need)
-                try:
-                    if reuse is None:
-                        return self.engine.open(session_id, prompt_ids, params)
-                    # Between passes: a session whose stream broke mid-round may still be in a pass.
-                    return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse)
-                except KVPoolFull:
-                    # Within budget, but no run of free slots is long enough. An earlier turn whose run
-                    # could not grow gives it up (this turn prefills the history instead: reusing it
-                    # would need its run and a longer one at once). Then evict the idle turns that make
-                    # a run (no copy), else compact the pool once, then evict idle turns, then wait
-                    # like any request that does not fit.
-                    self.keeper.release(id(context), None, keep=False)
-                    if reuse is not None:
-                        self.keeper.evict(session_id, reuse)
-                        reuse = None
-                        continue
-                    if self.keeper.evict_for(self.engine.model.pool, need):
-                        continue
-                    if not compacted:
-                        compacted = True
-                        await self.batcher.between_passes(self.engine.model.pool.compact)
-                        continue
-                    if self.keeper.evict_one():
-                        continue
-                    raise KVBudgetExceeded(f"KV pool fragmented: no free run of {need} positions") from None
-            except KVBudgetExceeded as e:
-                left = deadline - loop.time()
-                if e.never or left <= 0:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                compacted = False
-                await self.keeper.wait_for_space(left)
 
     def _close(self, context) -> None:
         session = self.sessions.pop(id(context), None)
@@ -229,22 +195,11 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                       returns: bool = False) -> Ran:
         """One round in the next batch; a bad proposal aborts this stream only (INVALID_ARGUMENT).
         returns: this worker decodes the session's next round itself right after (a plain run)."""
-
-        def judge(logits):
-            # On the inference thread, like every torch op of this process (see InferenceThread).
-            k = logits.shape[0] - 1             # the batcher may have cut the proposal to fit its budget
-            q = None
-            if not session.params.greedy:       # greedy verification needs no draft distributions
-                try:
-                    q = wire.dense_draft_probs(distributions, len(tokens), self.engine.model.vocab_size)
-                except ValueError as e:
-                    session.cache.crop(len(session.tokens) - 1)
-                    raise ProtocolError(str(e)) from None
-            return self.engine.judge(session, tokens[:k], None if q is None else q[:k], logits)
-
+        draft_probs = partial(wire.dense_draft_probs, distributions, len(tokens), self.engine.model.vocab_size)
+        judge = partial(self.engine.judge_fed, session, tokens, draft_probs)
         try:
             feed = self.engine.verify_input(session, tokens)
-            ran = await self.batcher.forward(session.cache, feed, None, judge, least=1, returns=returns)
+            ran = await self.batcher.forward(Step(session.cache, feed, None, judge, least=1, returns=returns))
             self.price.observe_output(len(ran.value.token_ids))
             return ran
         except (ProtocolError, ValueError) as e:

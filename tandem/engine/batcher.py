@@ -1,7 +1,7 @@
 """Continuous batching: forward passes asked for by many sessions run together.
 
 Sessions queue work on the event loop. Whenever the inference thread is free, everything queued
-(up to a token budget) becomes one forward pass; each item's follow-up (verification, sampling)
+(up to a token budget) becomes one forward pass; each step's follow-up (verification, sampling)
 runs on the inference thread right after, and its result goes back to the session that asked.
 
 Two scheduling rules. Rounds and decode steps go before prefill chunks, which fill what is left
@@ -17,6 +17,7 @@ one whose step goes through another worker (drafting a proposal with a model) is
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,30 +30,49 @@ from tandem.engine.thread import InferenceThread
 
 @dataclass
 class Ran:
-    value: Any           # what the item's follow-up returned (its logits when it had none)
+    value: Any           # what the step's follow-up returned (its logits when it had none)
     seconds: float       # the whole batch's forward pass and follow-ups
     batch_size: int      # sessions taken into that pass
-    fed: int             # tokens of this item the pass took (fewer than given when it was cut)
+    fed: int             # tokens of this step the pass took (fewer than given when it was cut)
     positions: int = 0   # tokens the pass fed, all sessions together
 
 
 @dataclass
-class _Item:
+class Step:
+    """One session's work for the next forward pass: `tokens` fed after `cache`'s.
+
+    last: the logits rows to keep, counted from the end (None: every row).
+    then: a follow-up run on the inference thread right after the pass, given the rows; what it
+        returns (or raises) is the step's result.
+    prefill: a prompt chunk, which yields to rounds and decode steps.
+    least: the step may be cut to its first `least` tokens when the token budget cannot hold every
+        queued round whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed`
+        says how many). None: never cut.
+    returns: the session's next step follows this one at once (decoding on in this process), so
+        the next pass waits for it; otherwise the wait depends on how long it was away before."""
     cache: SessionCache
     tokens: list[int]
-    last: int | None
-    then: Callable | None
-    prefill: bool
-    least: int | None    # may be cut to this many tokens when the budget is short (None: never)
-    returns: bool        # the session queues its next step as soon as it has this result
+    last: int | None = None
+    then: Callable | None = None
+    prefill: bool = False
+    least: int | None = None
+    returns: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.tokens)      # the batcher cuts its own copy, never the caller's list
+
+
+@dataclass
+class _Queued:
+    step: Step
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-def _cut(item: _Item, cap: int | None) -> int:
-    """How many of the item's tokens go into a pass whose rounds are cut to `cap`."""
-    if cap is None or item.least is None:
-        return len(item.tokens)
-    return max(item.least, min(len(item.tokens), cap))
+def _cut(step: Step, cap: int | None) -> int:
+    """How many of the step's tokens go into a pass whose rounds are cut to `cap`."""
+    if cap is None or step.least is None:
+        return len(step.tokens)
+    return max(step.least, min(len(step.tokens), cap))
 
 
 class Batcher:
@@ -60,12 +80,13 @@ class Batcher:
                  gather: float = 0.3, max_wait: float = 0.25) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
         self.gather, self.max_wait = gather, max_wait
-        self._last: list[_Item] = []                 # the rounds of the last pass
+        self._last: list[Step] = []                  # the rounds of the last pass
         self._last_seconds = 0.0
-        self._queue: deque[_Item] = deque()
-        self._answered: dict[int, tuple[float, bool]] = {}   # by cache: when its last result was given,
-                                                             # and whether it said it would return at once
-        self._away: dict[int, float] = {}              # by cache: how long it took to queue again from elsewhere
+        self._queue: deque[_Queued] = deque()
+        # By cache, forgotten with it: when its last result was given and whether it said it would
+        # return at once; how long it took to queue again from elsewhere.
+        self._answered: weakref.WeakKeyDictionary[SessionCache, tuple[float, bool]] = weakref.WeakKeyDictionary()
+        self._away: weakref.WeakKeyDictionary[SessionCache, float] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # per pass: (sessions, round tokens, prefill tokens, seconds)
@@ -81,29 +102,22 @@ class Batcher:
 
     def leave(self, cache: SessionCache) -> None:
         """The session of `cache` queues nothing more: the next pass need not wait for it."""
-        self._last = [i for i in self._last if i.cache is not cache]
-        self._answered.pop(id(cache), None)
-        self._away.pop(id(cache), None)
+        self._last = [s for s in self._last if s.cache is not cache]
+        self._answered.pop(cache, None)
+        self._away.pop(cache, None)
 
-    async def forward(self, cache: SessionCache, tokens: list[int], last: int | None = None,
-                      then: Callable | None = None, prefill: bool = False, least: int | None = None,
-                      returns: bool = False) -> Ran:
-        """Feeds `tokens` after `cache`'s in the next batch with room; `then(logits)` runs on the
-        inference thread after the pass. Exceptions from the pass or from `then` are raised here.
-        `prefill`: a prompt chunk, which yields to rounds and decode steps. `least`: the round may
-        be cut to its first `least` tokens when the token budget cannot hold every queued round
-        whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed` says how many).
-        `returns`: the session's next step follows this one at once (decoding on in this process),
-        so the next pass waits for it; otherwise the wait depends on how long it was away before."""
+    async def forward(self, step: Step) -> Ran:
+        """Runs `step` in the next pass with room. Exceptions from the pass or from its follow-up
+        are raised here."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="batcher")
-        item = _Item(cache, tokens, last, then, prefill, least, returns)
-        answered = self._answered.pop(id(cache), None)
+        queued = _Queued(step)
+        answered = self._answered.pop(step.cache, None)
         if answered is not None and not answered[1]:
-            self._away[id(cache)] = asyncio.get_running_loop().time() - answered[0]
-        self._queue.append(item)
+            self._away[step.cache] = asyncio.get_running_loop().time() - answered[0]
+        self._queue.append(queued)
         self._wake.set()
-        return await item.future
+        return await queued.future
 
     async def _loop(self) -> None:
         while True:
@@ -116,25 +130,24 @@ class Batcher:
                     continue
                 try:
                     outcomes, seconds = await self.inference.run_timed(self._run, batch)
-                except Exception as e:           # the pass itself failed: every item hears of it
+                except Exception as e:           # the pass itself failed: every step hears of it
                     outcomes, seconds = [e] * len(batch), 0.0
-                prefill = sum(len(i.tokens) for i in batch if i.prefill)
-                tokens = sum(len(i.tokens) for i in batch) - prefill
+                steps = [q.step for q in batch]
+                prefill = sum(len(s.tokens) for s in steps if s.prefill)
+                tokens = sum(len(s.tokens) for s in steps) - prefill
                 for observe in self.observers:
                     observe(len(batch), tokens, prefill, seconds)
-                self._last, self._last_seconds = [i for i in batch if not i.prefill], seconds
+                self._last, self._last_seconds = [s for s in steps if not s.prefill], seconds
                 now = asyncio.get_running_loop().time()
-                if len(self._answered) > 10_000:   # sessions that ended without leave(): forget them
-                    self._answered.clear()
-                    self._away.clear()
-                for item, outcome in zip(batch, outcomes):
-                    self._answered[id(item.cache)] = (now, item.returns)
-                    if item.future.done():       # the session gave up (cancelled) meanwhile
+                for queued, outcome in zip(batch, outcomes):
+                    step = queued.step
+                    self._answered[step.cache] = (now, step.returns)
+                    if queued.future.done():     # the session gave up (cancelled) meanwhile
                         continue
                     if isinstance(outcome, Exception):
-                        item.future.set_exception(outcome)
+                        queued.future.set_exception(outcome)
                     else:
-                        item.future.set_result(Ran(outcome, seconds, len(batch), len(item.tokens), tokens + prefill))
+                        queued.future.set_result(Ran(outcome, seconds, len(batch), len(step.tokens), tokens + prefill))
 
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""
@@ -142,9 +155,9 @@ class Batcher:
         wait = min(self.max_wait, self.gather * self._last_seconds)
         deadline = loop.time() + wait
         while True:
-            queued = {id(i.cache) for i in self._queue}
-            missing = [i for i in self._last if i.cache.capacity and id(i.cache) not in queued
-                       and (i.returns or self._away.get(id(i.cache), 0.0) < wait)]
+            queued = {id(q.step.cache) for q in self._queue}
+            missing = [s for s in self._last if s.cache.capacity and id(s.cache) not in queued
+                       and (s.returns or self._away.get(s.cache, 0.0) < wait)]
             left = deadline - loop.time()
             if not missing or left <= 0:
                 return
@@ -154,40 +167,42 @@ class Batcher:
             except asyncio.TimeoutError:
                 return
 
-    def _take(self) -> list[_Item]:
+    def _take(self) -> list[_Queued]:
         """Rounds and decode steps first, then prefill chunks, each in arrival order, up to the token
-        budget (the first item always goes); one item per session, so a session's second request
+        budget (the first step always goes); one step per session, so a session's second step
         waits for the pass after its first. When the rounds do not fit whole, the longest proposals
         are cut to a common length first, so that every session gets its round."""
-        batch: list[_Item] = []
+        batch: list[_Queued] = []
         tokens = 0
         seen: set[int] = set()
         rounds = []
-        for item in self._queue:
-            if not item.prefill and not item.future.done() and id(item.cache) not in seen:
-                seen.add(id(item.cache))
-                rounds.append(item)
-        cap = self._cap(rounds)
-        for item in rounds:
-            n = _cut(item, cap)
+        for queued in self._queue:
+            step = queued.step
+            if not step.prefill and not queued.future.done() and id(step.cache) not in seen:
+                seen.add(id(step.cache))
+                rounds.append(queued)
+        cap = self._cap([q.step for q in rounds])
+        for queued in rounds:
+            n = _cut(queued.step, cap)
             if batch and tokens + n > self.max_tokens:
                 continue
-            del item.tokens[n:]
-            batch.append(item)
+            del queued.step.tokens[n:]
+            batch.append(queued)
             tokens += n
-        for item in self._queue:
-            if not item.prefill or item.future.done() or id(item.cache) in seen:
+        for queued in self._queue:
+            step = queued.step
+            if not step.prefill or queued.future.done() or id(step.cache) in seen:
                 continue
-            if batch and tokens + len(item.tokens) > self.max_tokens:
+            if batch and tokens + len(step.tokens) > self.max_tokens:
                 break
-            seen.add(id(item.cache))
-            batch.append(item)
-            tokens += len(item.tokens)
-        taken = {id(i) for i in batch}
-        self._queue = deque(i for i in self._queue if id(i) not in taken and not i.future.done())
+            seen.add(id(step.cache))
+            batch.append(queued)
+            tokens += len(step.tokens)
+        taken = {id(q) for q in batch}
+        self._queue = deque(q for q in self._queue if id(q) not in taken and not q.future.done())
         return batch
 
-    def _cap(self, rounds: list[_Item]) -> int | None:
+    def _cap(self, rounds: list[Step]) -> int | None:
         """The longest length to cut proposals to so that all rounds fit the budget (None: they fit
         whole; 1 when even that is too much, and the rounds that do not fit wait)."""
         longest = max((len(i.tokens) for i in rounds), default=0)
@@ -202,29 +217,30 @@ class Batcher:
                 high = mid - 1
         return low
 
-    def _run(self, batch: list[_Item]) -> list[Any]:
-        """On the inference thread: room for every item first (an item that cannot get it fails
+    def _run(self, batch: list[_Queued]) -> list[Any]:
+        """On the inference thread: room for every step first (a step that cannot get it fails
         alone), one forward pass, then each follow-up."""
-        outcomes: list[Any] = [None] * len(batch)
+        steps = [q.step for q in batch]
+        outcomes: list[Any] = [None] * len(steps)
         ready = []
-        for i, item in enumerate(batch):
-            total = item.cache.length + len(item.tokens)
+        for i, step in enumerate(steps):
+            total = step.cache.length + len(step.tokens)
             try:
-                self.model.check_feed(item.cache, item.tokens)
+                self.model.check_feed(step.cache, step.tokens)
                 try:
-                    item.cache.reserve(total)
+                    step.cache.reserve(total)
                 except KVPoolFull:
                     self.model.pool.compact()        # between passes: safe to move runs
-                    item.cache.reserve(total)
+                    step.cache.reserve(total)
                 ready.append(i)
             except (ValueError, KVPoolFull) as e:
                 outcomes[i] = e
         if ready:
-            logits = self.model.forward_batch([(batch[i].cache, batch[i].tokens, batch[i].last) for i in ready])
+            logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last) for i in ready])
             for i, rows in zip(ready, logits):
-                then = batch[i].then
+                then = steps[i].then
                 try:
                     outcomes[i] = then(rows) if then is not None else rows
-                except Exception as e:           # one session's bad proposal fails that session only
+                except Exception as e:           # one session's bad step fails that session only
                     outcomes[i] = e
         return outcomes

@@ -1,0 +1,224 @@
+"""One request's speculation against its verify worker: a round is propose -> send -> apply verdict.
+
+Per round: the drafter proposes k tokens (inference thread), the Proposal goes to the verify
+worker, its Verdict extends the context with the accepted + bonus tokens, and those go to the
+gateway as one TokenChunk. The drafter rolls its own cache back on the next propose, from the
+context it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
+from draft_worker.drafters import Draft, Drafter, DraftState
+from tandem.engine.batcher import Batcher
+from tandem.engine.kvpool import proposal_room
+from tandem.engine.thread import InferenceThread
+from tandem.service import metrics, telemetry, wire
+from tandem.speculation.sampling import SamplingParams
+from tandem.v1 import internal_pb2 as pb
+
+
+def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int,
+           max_context: int, max_proposal: int) -> int:
+    """How many tokens to propose this round: never more than can still be used (each round also
+    yields one bonus token) and never past the target's context window."""
+    room = min(max_new_tokens - generated - 1, max_context - context_len - 1, max_proposal)
+    return max(0, min(requested, room))
+
+
+@dataclass
+class Drafting:
+    """What a draft worker lends each of its streams."""
+    inference: InferenceThread
+    batcher: Batcher | None       # batches the model drafter's steps across sessions
+    pipeline: bool                # draft the next proposal while this one is verified
+    adaptive_k: bool
+    eos_ids: list[int]
+    vocab_size: int | None        # the draft model's; None for model-free drafting
+
+
+class VerifyClosed(Exception):
+    """The verify worker ended the session stream without an answer."""
+
+
+class Speculation:
+    def __init__(self, drafting: Drafting, drafter: Drafter, request: pb.DraftGenerateRequest,
+                 params: SamplingParams, call) -> None:
+        self.drafting, self.drafter, self.request, self.params, self.call = drafting, drafter, request, params, call
+        self.prompt = list(request.prompt_ids)
+        self.tokens = list(self.prompt)
+        self.state: DraftState | None = None
+        self.control: SpeculationController | None = None
+        self.pending: asyncio.Future | None = None    # the next proposal being drafted
+        self.ahead: asyncio.Future | None = None      # the one after it, drafted while this one is verified
+        self.rounds = self.drafted = self.accepted = 0
+
+    async def open(self, prior: dict[object, Survival]) -> pb.Opened:
+        """Opens the session on the verify worker and starts drafting; `prior`: acceptance by
+        position over recent sessions of this method on that worker. Raises ValueError when the
+        draft model's vocabulary is not the target's."""
+        await self.call.write(pb.VerifyRequest(open=pb.OpenSession(
+            session_id=self.request.session_id, prompt_ids=self.prompt, sampling=self.request.sampling)))
+        opened = self.opened = (await self._read()).opened
+        vocab = self.drafting.vocab_size
+        if self.drafter.uses_model and vocab not in (None, opened.vocab_size):
+            raise ValueError(f"draft model vocabulary ({vocab}) does not match the target's ({opened.vocab_size})")
+        self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
+                                        proposal_room(opened.max_proposal))
+        # Greedy only: a sampled request's output must not depend on measured timings, so that its
+        # seed reproduces it on any worker.
+        if self.drafting.adaptive_k and self.params.greedy:
+            self.control = controller_for(opened.forward_ms, prior, opened.token_cost)
+        self.pending = self._propose(self.tokens, self._next_k())
+        return opened
+
+    def _next_k(self) -> int:
+        k = plan_k(self.request.num_speculative_tokens, len(self.tokens), len(self.tokens) - len(self.prompt),
+                   self.params.max_new_tokens, self.opened.max_context, self.opened.max_proposal)
+        return self.control.choose(k) if self.control is not None else k
+
+    async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
+        """The rounds to the end of the request, a chunk each. Plain rounds in a row go as one
+        request: the verify worker decodes them back to back without a round trip each."""
+        cached = self.opened.cached_tokens            # reported once, on the first chunk
+        prompt_reports = self.opened.prompt_logprobs
+        owed, arrived = 0, 0.0      # verdicts still to come of a run of plain rounds; when the last came
+        draft = Draft([])
+        while True:
+            run = 1
+            if not owed:
+                draft, propose_s = await self.pending
+                draft, run = self._shape(draft)
+            continued = owed > 0           # not a round trip: the next verdict of a plain run
+            with telemetry.span("speculation round") as span:
+                if continued:
+                    propose_s, owed = 0.0, owed - 1
+                    verdict, rtt_s = await self._read_verdict(arrived)
+                else:
+                    verdict, rtt_s = await self._send(draft, run)
+                    owed = run - 1
+                arrived = time.perf_counter()
+                if span is not None:
+                    span.set_attributes(telemetry.round_attributes(
+                        len(draft.tokens), verdict.accepted, verdict.token_ids, verdict.batch_size,
+                        verdict.verify_seconds, rtt_s))
+                    span.set_attribute("tandem.propose_seconds", propose_s)
+            if not continued:
+                metrics.PROPOSE.observe(propose_s)
+                metrics.ROUND_TRIP.observe(rtt_s)
+            checked = self._apply(draft, verdict, propose_s + rtt_s, rtt_s)
+            chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked,
+                                  accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
+                                  cached_tokens=cached, logprobs=verdict.logprobs, prompt_logprobs=prompt_reports)
+            cached, prompt_reports = 0, ()
+            if verdict.stop_reason:
+                yield chunk
+                return
+            if not owed:
+                self.pending = await self._next_proposal(draft, verdict)
+            yield chunk
+
+    def _shape(self, draft: Draft) -> tuple[Draft, int]:
+        """The drafted proposal fitted to the controller's choice, and how many plain rounds to ask
+        for when there is none; starts drafting the next proposal ahead when pipelining."""
+        control = self.control
+        if control is not None and draft.tokens:
+            draft = draft.prefix(control.fit(len(draft.tokens), draft.kind))
+        if self.drafting.pipeline and draft.tokens and self.drafter.uses_model:
+            # While the target verifies, draft on as if it accepted everything: the draft's own
+            # next token is its guess of the bonus token.
+            self.ahead = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1)
+        return draft, control.plain_run() if control is not None and not draft.tokens else 1
+
+    def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> int:
+        """Takes in a verdict: the context grows by its tokens, the counts and the controller learn
+        from it. Returns how many proposed tokens the target judged."""
+        checked = len(draft.tokens) - verdict.unverified
+        metrics.observe_verdict(self.drafter.name, checked, verdict.accepted)
+        self.rounds, self.drafted, self.accepted = (self.rounds + 1, self.drafted + checked,
+                                                    self.accepted + verdict.accepted)
+        if self.control is not None:
+            self.control.observe(checked, len(verdict.token_ids), round_s, verdict.accepted, verdict.token_cost,
+                                 plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
+        self.tokens.extend(verdict.token_ids)
+        return checked
+
+    async def _next_proposal(self, draft: Draft, verdict: pb.Verdict) -> asyncio.Future:
+        """The next proposal, drafting while the last chunk travels to the gateway. A pipelined
+        draft (`ahead`) is used when the target accepted the whole proposal and its bonus token is
+        the draft's guess; otherwise the drafter rolls back and drafts again."""
+        k = self._next_k()
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            waited = time.perf_counter()
+            early, _ = await ahead
+            waited = time.perf_counter() - waited          # what the pipelined draft still cost
+            rest = early.tokens[1:1 + k]
+            if k and rest and verdict.accepted == len(draft.tokens) and early.tokens[0] == verdict.token_ids[-1]:
+                support = early.support[1:1 + k] if early.support is not None else None
+                metrics.PIPELINED.labels("used").inc()
+                done = asyncio.get_running_loop().create_future()
+                done.set_result((Draft(rest, support), waited))
+                return done
+            metrics.PIPELINED.labels("discarded").inc()
+        return self._propose(self.tokens, k)
+
+    def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
+        """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
+        state, drafting = self.state, self.drafting
+        if state.inline:
+            start = time.perf_counter()
+            done = asyncio.get_running_loop().create_future()
+            done.set_result((state.propose(tokens, k), time.perf_counter() - start))
+            return done
+        if drafting.batcher is None:
+            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k))
+
+        async def batched():
+            start = time.perf_counter()
+            return await state.propose_batched(drafting.batcher, tokens, k), time.perf_counter() - start
+        return asyncio.ensure_future(batched())
+
+    async def _send(self, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:
+        """Sends one proposal (or, with no tokens, a run of `run` plain rounds) and reads its first
+        verdict: (verdict, round-trip seconds)."""
+        proposal = pb.Proposal(token_ids=draft.tokens, plain_steps=run if run > 1 else 0)
+        if draft.support is not None:
+            proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
+        sent = time.perf_counter()
+        await self.call.write(pb.VerifyRequest(proposal=proposal))
+        return await self._read_verdict(sent)
+
+    async def _read_verdict(self, since: float) -> tuple[pb.Verdict, float]:
+        """The next verdict, and the seconds from `since` to its arrival."""
+        verdict = (await self._read()).verdict
+        return verdict, time.perf_counter() - since
+
+    async def _read(self) -> pb.VerifyResponse:
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF:
+            raise VerifyClosed("verify worker closed the session stream")
+        return msg
+
+    async def finish(self) -> None:
+        """Ends the verify stream in order once the last chunk is out, reading it to its end so
+        that the call (and its client span) closes now, not at garbage collection."""
+        await self.call.done_writing()
+        while await self.call.read() is not grpc.aio.EOF:
+            pass
+
+    async def close(self) -> None:
+        """Cancels drafting still under way and frees the drafter's state; runs however the stream ended."""
+        self.call.cancel()
+        for job in (self.pending, self.ahead):
+            if job is not None and not job.done():
+                job.cancel()                 # its result is not needed; close runs after it
+        if self.state is not None:
+            await self.drafting.inference.run(self.state.close)
