@@ -11,7 +11,10 @@ GEN_STAMP := tandem/v1/.stamp
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
+	# xgrammar without its dependencies: they are in pyproject.toml, except triton (~1 GB), which
+	# only its GPU kernels import; Tandem applies the masks itself.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $@
 
 setup: $(VENV)/.installed protos

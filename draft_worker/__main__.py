@@ -11,12 +11,13 @@ from draft_worker.drafters import ModelDrafter, NgramDrafter
 from draft_worker.service import DraftServicer
 from tandem.cluster.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
 from tandem.engine.batcher import Batcher
-from tandem.engine.modeling import CausalLM, vocab_mismatch
+from tandem.engine.modeling import CausalLM, load_tokenizer, vocab_mismatch
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics
-from tandem.service.config import (add_common_flags, add_flag, add_kv_flags, add_model_flags,
-                                   add_worker_flags, check_kv_flags, check_worker_flags)
+from tandem.service.config import (add_common_flags, add_flag, add_guide_flags, add_kv_flags, add_model_flags,
+                                   add_worker_flags, check_guide_flags, check_kv_flags, check_worker_flags)
 from tandem.service.server import service_from_args, setup_observability
+from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("draft_worker")
@@ -40,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_kv_flags(parser, default_tokens=16384)
     add_flag(parser, "--max-batch-tokens", default=512, type=int,
              help="most tokens (all sessions' draft steps) in one batched forward pass of the draft model")
+    add_guide_flags(parser)
+    add_flag(parser, "--jump-forward", default=True, type=bool,
+             help="under a guide, propose the tokens it forces (keys, punctuation) ahead of the drafted ones")
     add_worker_flags(parser)
     return parser.parse_args(argv)
 
@@ -47,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
     check_kv_flags(args)
+    check_guide_flags(args)
+    grammars = None
     drafters = {"ngram": NgramDrafter(max_ngram=args.ngram_max)}
     eos_ids: list[int] = []
     vocab_size = None
@@ -69,10 +75,12 @@ async def main(args: argparse.Namespace) -> None:
         model = await inference.run(load)
         drafters["model"] = ModelDrafter(model, confidence=args.confidence)
         eos_ids, vocab_size = model.eos_ids, model.vocab_size
+        grammars = Grammars(load_tokenizer(args.model), vocab_size, eos_ids, max_chars=args.max_guide_chars)
         batcher = Batcher(model, inference, max_tokens=args.max_batch_tokens)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
-                             batcher=batcher, pipeline=args.pipeline)
+                             batcher=batcher, pipeline=args.pipeline, grammars=grammars,
+                             compile_timeout=args.guide_compile_timeout, jump_forward=args.jump_forward)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

@@ -18,6 +18,7 @@ from tandem.engine.batcher import Step
 from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
+from tandem.speculation.grammar import Matcher
 from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
 
 # A sampled draft distribution is cut to its most likely tokens before sampling from it, so
@@ -34,9 +35,11 @@ class Draft:
     # proposal is greedy or deterministic
     kind: int | None = None                    # proposals of one kind share an acceptance record:
                                                # the n-gram drafter's match length; None: one for all
+    forced: int = 0                            # leading tokens a guide forces (jump-forward), not drafted
 
     def prefix(self, n: int) -> Draft:
-        return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind)
+        return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind,
+                     min(self.forced, n))
 
 
 class DraftState(Protocol):
@@ -56,8 +59,10 @@ class Drafter(Protocol):
     # A draft model: its vocabulary must be the target's, and drafting ahead while the target
     # verifies (the worker's --pipeline) pays only for it.
     uses_model: bool
+    # grammar: the guide's matcher at the context propose() will be given; a drafter that takes it
+    # drafts under its mask (and leaves it as it found it), any other is cut by the caller.
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
-              room: int = proposal_room()) -> DraftState: ...
+              room: int = proposal_room(), grammar: Matcher | None = None) -> DraftState: ...
 
 
 class ModelDrafter:
@@ -82,11 +87,11 @@ class ModelDrafter:
         self._lock = threading.Lock()           # start() runs on the event loop, the rest on the inference thread
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
-              room: int = proposal_room()) -> DraftState:
+              room: int = proposal_room(), grammar: Matcher | None = None) -> DraftState:
         """room: beyond the prompt and output, what the verify worker's largest proposal takes."""
         while True:
             try:
-                state = _ModelDraftState(self, params, eos_ids, prompt_len, room)
+                state = _ModelDraftState(self, params, eos_ids, prompt_len, room, grammar)
                 break
             except KVPoolFull:
                 if not self._drop_kept():
@@ -121,8 +126,9 @@ class _ModelDraftState:
     inline = False
 
     def __init__(self, drafter: ModelDrafter, params: SamplingParams, eos_ids: list[int], prompt_len: int,
-                 room: int):
+                 room: int, grammar: Matcher | None = None):
         self.drafter, self.model = drafter, drafter.model
+        self.grammar = grammar
         self.params, self.eos_ids, self.prompt_len = params, eos_ids, prompt_len
         self.confidence = drafter.confidence
         # what the target reserves too; it grows if a turn needs more (a pipelined proposal)
@@ -179,12 +185,16 @@ class _Proposal:
         self.state, self.context, self.k, self.feed = state, context, k, feed
         self.tokens: list[int] = []
         self.support: list | None = [] if not state.params.greedy else None
+        self.advanced = 0                    # tokens the guide's matcher took along this proposal
 
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
         st.cached.extend(self.feed)
-        # the same history stages as the target's row for this position: context + tokens so far
-        logits = process(logits, [*self.context, *self.tokens], st.prompt_len, st.params, st.eos_ids)  # [1, V]
+        # the same stages as the target's row for this position: context + tokens so far, and the
+        # guide's state after them (advanced along this proposal, rolled back in draft())
+        allowed = st.grammar.allowed() if st.grammar is not None else None
+        logits = process(logits, [*self.context, *self.tokens], st.prompt_len, st.params, st.eos_ids,
+                         allowed=allowed)  # [1, V]
         if st.params.greedy:
             token = int(logits[0].argmax())
             q_token = float(torch.softmax(logits[0], dim=-1)[token]) if st.confidence else 1.0
@@ -194,11 +204,16 @@ class _Proposal:
             token, q_token = int(ids[pick]), float(probs[pick])
             self.support.append((ids, probs))
         self.tokens.append(token)
+        if st.grammar is not None:
+            self.advanced += st.grammar.advance([token])
         done = len(self.tokens) >= self.k or token in st.eos_ids or q_token < st.confidence
         self.feed = [] if done else [token]
         return self.feed
 
     def draft(self) -> Draft:
+        if self.state.grammar is not None:
+            self.state.grammar.rollback(self.advanced)
+            self.advanced = 0
         return Draft(self.tokens, self.support)
 
 
@@ -214,7 +229,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, params: SamplingParams, eos_ids: list[int], prompt_len: int,
-              room: int = proposal_room()) -> DraftState:
+              room: int = proposal_room(), grammar: Matcher | None = None) -> DraftState:
         return self
 
     def propose(self, context: list[int], k: int) -> Draft:

@@ -15,6 +15,7 @@ from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
 from tandem.service.server import channel as traced_channel
+from tandem.speculation.grammar import Grammars
 from tandem.speculation.sampling import SamplingError
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
@@ -25,9 +26,11 @@ log = logging.getLogger(__name__)
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
                  inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
-                 pipeline: bool = False) -> None:
+                 pipeline: bool = False, grammars: Grammars | None = None, compile_timeout: float = 10.0,
+                 jump_forward: bool = True) -> None:
         self.drafters = drafters
-        self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size)
+        self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size, grammars,
+                                 compile_timeout, jump_forward)
         self._channels: dict[str, grpc.aio.Channel] = {}
         # by (method, verify worker), then kind of proposal: acceptance by position over recent
         # sessions, a new session's prior

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter, DraftState
@@ -21,6 +22,7 @@ from tandem.engine.batcher import Batcher
 from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics, telemetry, wire
+from tandem.speculation.grammar import GrammarError, Grammars, Matcher
 from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
@@ -42,6 +44,9 @@ class Drafting:
     adaptive_k: bool
     eos_ids: list[int]
     vocab_size: int | None        # the draft model's; None for model-free drafting
+    grammars: Grammars | None = None   # guides compiled for the draft model's vocabulary (None: no model)
+    compile_timeout: float = 10.0
+    jump_forward: bool = True     # propose the tokens a guide forces before the drafted ones
 
 
 class VerifyClosed(Exception):
@@ -55,6 +60,7 @@ class Speculation:
         self.prompt = list(request.prompt_ids)
         self.tokens = list(self.prompt)
         self.state: DraftState | None = None
+        self.grammar: Matcher | None = None           # the guide's state after self.tokens
         self.control: SpeculationController | None = None
         self.pending: asyncio.Future | None = None    # the next proposal being drafted
         self.ahead: asyncio.Future | None = None      # the one after it, drafted while this one is verified
@@ -70,8 +76,9 @@ class Speculation:
         vocab = self.drafting.vocab_size
         if self.drafter.uses_model and vocab not in (None, opened.vocab_size):
             raise ValueError(f"draft model vocabulary ({vocab}) does not match the target's ({opened.vocab_size})")
+        self.grammar = await self._grammar()
         self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
-                                        proposal_room(opened.max_proposal))
+                                        proposal_room(opened.max_proposal), self.grammar)
         # Greedy only: a sampled request's output must not depend on measured timings, so that its
         # seed reproduces it on any worker.
         if self.drafting.adaptive_k and self.params.greedy:
@@ -79,9 +86,27 @@ class Speculation:
         self.pending = self._propose(self.tokens, self._next_k())
         return opened
 
+    async def _grammar(self) -> Matcher | None:
+        """The guide's matcher after the prompt (a moved request replays what it delivered). None
+        when there is no guide, or no grammar here to draft under: the verify worker's decides
+        anyway, so drafting goes on without a mask."""
+        grammars, guide = self.drafting.grammars, self.params.guide
+        if guide is None or grammars is None:
+            return None
+        try:
+            matcher = await grammars.matcher_within(guide, self.drafting.compile_timeout)
+        except GrammarError:
+            return None
+        delivered = self.prompt[len(self.prompt) - self.params.resumed:] if self.params.resumed else []
+        return matcher if matcher.advance(delivered) == len(delivered) else None
+
+    def _room(self) -> int:
+        """The most tokens a proposal may hold now."""
+        return plan_k(self.request.num_speculative_tokens, len(self.tokens), len(self.tokens) - len(self.prompt),
+                      self.params.max_new_tokens, self.opened.max_context, self.opened.max_proposal)
+
     def _next_k(self) -> int:
-        k = plan_k(self.request.num_speculative_tokens, len(self.tokens), len(self.tokens) - len(self.prompt),
-                   self.params.max_new_tokens, self.opened.max_context, self.opened.max_proposal)
+        k = self._room()
         return self.control.choose(k) if self.control is not None else k
 
     async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
@@ -129,9 +154,9 @@ class Speculation:
         """The drafted proposal fitted to the controller's choice, and how many plain rounds to ask
         for when there is none; starts drafting the next proposal ahead when pipelining."""
         control = self.control
-        if control is not None and draft.tokens:
-            draft = draft.prefix(control.fit(len(draft.tokens), draft.kind))
-        if self.drafting.pipeline and draft.tokens and self.drafter.uses_model:
+        if control is not None and len(draft.tokens) > draft.forced:
+            draft = draft.prefix(draft.forced + control.fit(len(draft.tokens) - draft.forced, draft.kind))
+        if self.drafting.pipeline and draft.tokens and self.drafter.uses_model and self.grammar is None:
             # While the target verifies, draft on as if it accepted everything: the draft's own
             # next token is its guess of the bonus token.
             self.ahead = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1)
@@ -148,6 +173,11 @@ class Speculation:
             self.control.observe(checked, len(verdict.token_ids), round_s, verdict.accepted, verdict.token_cost,
                                  plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
         self.tokens.extend(verdict.token_ids)
+        if self.grammar is not None and not verdict.stop_reason:
+            taken = self.grammar.advance(list(verdict.token_ids))
+            if taken != len(verdict.token_ids):       # cannot happen with the same guide: draft unmasked
+                self.grammar.rollback(taken)
+                self.grammar = None
         return checked
 
     async def _next_proposal(self, draft: Draft, verdict: pb.Verdict) -> asyncio.Future:
@@ -172,6 +202,33 @@ class Speculation:
 
     def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
+        if self.grammar is not None:
+            return asyncio.ensure_future(self._guided(tokens, k))
+        return self._draft(tokens, k)
+
+    async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:
+        """A proposal under the guide: first the tokens it forces (jump-forward; proposed even when
+        the controller chose plain decoding, as they need no draft), then up to k more drafted
+        after them under its mask. A drafter that does not take the mask is cut at the first token
+        the guide refuses: the target would reject it anyway."""
+        start = time.perf_counter()
+        g = self.grammar
+        forced = g.forced(self._room()) if self.drafting.jump_forward else []
+        g.advance(forced)
+        try:
+            draft, _ = await self._draft(tokens + forced, min(k, self._room() - len(forced)))
+            if not self.drafter.uses_model:
+                taken = g.advance(draft.tokens)
+                g.rollback(taken)
+                draft = draft.prefix(taken)
+        finally:
+            g.rollback(len(forced))
+        support = draft.support          # forced tokens are certain: q puts all its mass on them
+        if support is not None:
+            support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + support
+        return Draft(forced + draft.tokens, support, draft.kind, len(forced)), time.perf_counter() - start
+
+    def _draft(self, tokens: list[int], k: int) -> asyncio.Future:
         state, drafting = self.state, self.drafting
         if state.inline:
             start = time.perf_counter()

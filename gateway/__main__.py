@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--max-prompt-chars", default=1_000_000, type=int, help="largest prompt text accepted")
     add_flag(parser, "--max-stop-sequences", default=6, type=int, help="stop sequences a request may give")
     add_flag(parser, "--max-stop-sequence-chars", default=240, type=int, help="longest stop sequence")
+    add_flag(parser, "--max-guide-chars", default=65536, type=int,
+             help="longest JSON Schema, regex or grammar (a choice's strings together) a request may set")
     add_flag(parser, "--auth-tokens", default="",
              help="comma-separated bearer tokens clients must send (empty, and no file: no authentication)")
     add_flag(parser, "--auth-tokens-file", default="",
@@ -101,7 +103,7 @@ async def main(args: argparse.Namespace) -> None:
                     default_speculative_tokens=args.default_speculative_tokens,
                     default_draft_method=args.default_draft_method, max_prompt_tokens=args.max_prompt_tokens,
                     max_prompt_chars=args.max_prompt_chars, max_stop_sequences=args.max_stop_sequences,
-                    max_stop_sequence_chars=args.max_stop_sequence_chars)
+                    max_stop_sequence_chars=args.max_stop_sequence_chars, max_guide_chars=args.max_guide_chars)
     guard = build_guard(args)
     core = build_core(args)
     names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,

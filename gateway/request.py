@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from tandem.speculation.grammar import Guide
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
 from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
@@ -32,6 +34,7 @@ class Limits:
     default_draft_method: str = "model"
     max_prompt_chars: int = 1_000_000
     max_prompt_tokens: int = 0          # 0 = the model's context window
+    max_guide_chars: int = 65536        # a JSON Schema, regex or grammar; a choice's strings together
 
 
 @dataclass(frozen=True)
@@ -154,3 +157,40 @@ def check_session_id(session_id: str) -> str:
     if session_id and not SESSION_ID.match(session_id):
         raise InvalidRequest("session_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
     return session_id
+
+
+def check_guide(limits: Limits, params: SamplingParams, kind: str | None, *, text: str = "",
+                choices: list[str] = (), where: Callable[[str], str] = lambda name: name) -> SamplingParams:
+    """Validates structured output. kind: json | json_schema | regex | choice | grammar, or None
+    (unconstrained); text: the schema, regex or grammar; choices: a choice's strings. Whether the
+    guide compiles is the verify worker's to say (INVALID_ARGUMENT with the library's message)."""
+    if kind is None:
+        return params
+    guide = Guide(kind, text, tuple(choices))
+    if guide.size() > limits.max_guide_chars:
+        raise InvalidRequest(f"{where(kind)} is {guide.size()} characters; the limit is {limits.max_guide_chars}")
+    if kind in ("json_schema", "regex", "grammar") and not text.strip():
+        raise InvalidRequest(f"{where(kind)} must not be empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequest(f"{where(kind)} is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(f"{where(kind)} must be a JSON object (a schema), got {type(schema).__name__}")
+    if kind == "choice":
+        if not choices:
+            raise InvalidRequest(f"{where(kind)} must hold at least one string")
+        for i, c in enumerate(choices):
+            if not c:
+                raise InvalidRequest(f"{where(kind)}[{i}] is empty")
+    return replace(params, guide=guide)
+
+
+def check_guided(limits: Limits, params: SamplingParams, m, kind: str | None,
+                 where: Callable[[str], str]) -> SamplingParams:
+    """check_guide for a face's guided oneof `m` whose `kind` is set: json_schema, regex and
+    grammar are strings, choice a message with `choices` (both faces spell them so)."""
+    text = getattr(m, kind) if kind in ("json_schema", "regex", "grammar") else ""
+    choices = list(m.choice.choices) if kind == "choice" else []
+    return check_guide(limits, params, kind, text=text, choices=choices, where=where)

@@ -7,7 +7,7 @@ import logging
 from gateway.core import GenerationCore
 from gateway.events import Delta, Final, TokenReport, answers
 from gateway.observe import OP_CHAT, OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_guide, check_guided, check_processing, check_reports,
                              check_sampling, check_session_id, check_speculation, truncate)
 from tandem.speculation.finish import Finish
 from tandem.v1 import generation_pb2 as pb
@@ -18,7 +18,16 @@ log = logging.getLogger(__name__)
 _METHODS = {pb.DRAFT_METHOD_UNSPECIFIED: "", pb.DRAFT_METHOD_MODEL: "model",
             pb.DRAFT_METHOD_NGRAM: "ngram", pb.DRAFT_METHOD_NONE: "none"}
 _FINISH = {Finish.LENGTH: pb.FINISH_REASON_LENGTH, Finish.EOS: pb.FINISH_REASON_EOS,
-           Finish.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, Finish.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH}
+           Finish.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, Finish.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+           Finish.GUIDE: pb.FINISH_REASON_GUIDE_COMPLETE}
+
+
+def guided(limits: Limits, params, m: pb.Guided):
+    """The native face's structured output (tandem.v1.Guided) into params."""
+    kind = m.WhichOneof("kind")
+    if kind == "json_object":
+        return check_guide(limits, params, "json" if m.json_object else None, where=lambda _: "guided.json_object")
+    return check_guided(limits, params, m, kind, where="guided.{}".format)
 
 
 def usage_proto(final: Final) -> pb.Usage:
@@ -76,6 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         lp = m.logprobs
         params = check_reports(params, logprobs=lp.logprobs or lp.top_logprobs > 0, top_logprobs=lp.top_logprobs,
                                prompt_logprobs=lp.prompt_logprobs, field="logprobs.top_logprobs")
+        params = guided(self.limits, params, m.guided)
         if m.speculation.method not in _METHODS:
             raise InvalidRequest(f"unknown speculation.method value {m.speculation.method}")
         method, k = check_speculation(self.limits, _METHODS[m.speculation.method],

@@ -2,7 +2,7 @@
 
 Unmodified TGIS clients talk to Tandem through this face. The TGIS wire format has no place for
 Tandem's speculation knobs, so those arrive as request metadata (x-tandem-*). TGIS features
-Tandem does not implement (prefix_id, adapter_id, guided decoding) are refused with
+Tandem does not implement (prefix_id, adapter_id) are refused with
 INVALID_ARGUMENT naming the field, never silently ignored: a client asking for them would
 otherwise get output it did not ask for.
 
@@ -25,7 +25,7 @@ from fmaas import generation_pb2_grpc as pb_grpc
 from gateway.core import GenerationCore
 from gateway.events import Delta, Final, GatewayError, TokenReport, Usage, answers
 from gateway.observe import OP_TEXT
-from gateway.request import (GenRequest, InvalidRequest, Limits, check_processing, check_reports,
+from gateway.request import (GenRequest, InvalidRequest, Limits, check_guide, check_guided, check_processing, check_reports,
                              check_sampling, check_session_id, check_speculation, truncate)
 from tandem.speculation.finish import Finish
 
@@ -36,10 +36,9 @@ MD_K = "x-tandem-num-speculative-tokens"
 MD_SESSION = "x-tandem-session-id"
 
 _STOP_REASON = {Finish.LENGTH: pb.MAX_TOKENS, Finish.EOS: pb.EOS_TOKEN, Finish.STOP_SEQUENCE: pb.STOP_SEQUENCE,
-                Finish.CONTEXT_LENGTH: pb.TOKEN_LIMIT, Finish.TIME_LIMIT: pb.TIME_LIMIT}
-_GUIDED_FIELDS = ("format", "json_schema", "regex", "choice", "grammar")
-
-
+                Finish.CONTEXT_LENGTH: pb.TOKEN_LIMIT, Finish.TIME_LIMIT: pb.TIME_LIMIT,
+                # TGIS has no reason of its own for it: the model could only have ended there
+                Finish.GUIDE: pb.EOS_TOKEN}
 def _tgis_path(name: str) -> str:
     """Where check_processing's fields live in TGIS's Parameters."""
     return ("params.sampling." if name == "typical_p" else "params.decoding.") + name
@@ -95,10 +94,16 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
             raise _unsupported("prefix_id")
         if m.adapter_id:
             raise _unsupported("adapter_id")
-        d = m.params.decoding
-        guided = d.WhichOneof("guided")
-        if guided is not None and not (guided == "format" and d.format == pb.DecodingParameters.TEXT):
-            raise _unsupported(f"params.decoding.{guided} (guided decoding)")   # TEXT = unconstrained
+
+    def _guided(self, params, d: pb.DecodingParameters):
+        """DecodingParameters.guided into params: format TEXT is unconstrained, JSON any JSON value."""
+        kind = d.WhichOneof("guided")
+        where = "params.decoding.{}".format
+        if kind == "format":
+            if d.format not in (pb.DecodingParameters.TEXT, pb.DecodingParameters.JSON):
+                raise InvalidRequest(f"params.decoding.format {d.format} is not a known ResponseFormat")
+            return check_guide(self.limits, params, "json" if d.format == pb.DecodingParameters.JSON else None)
+        return check_guided(self.limits, params, d, kind, where)
 
     def _speculation(self, context: grpc.aio.ServicerContext, batch_size: int) -> tuple[str, int, str]:
         md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -146,6 +151,7 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                                   length_penalty=((length.start_index, length.decay_factor)
                                                   if d.HasField("length_penalty") else None),
                                   where=_tgis_path)
+        params = self._guided(params, d)
         r = p.response
         # TGIS reports details only of the tokens it returns: generated_tokens and input_tokens say
         # which; token_logprobs, token_ranks and top_n_tokens what each TokenInfo carries.

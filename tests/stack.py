@@ -24,11 +24,12 @@ from gateway.routing import StaticRouter
 from gateway.service import GenerationServicer
 from gateway.tgis import add_tgis_service
 from tandem.engine.batcher import Batcher
-from tandem.engine.modeling import CausalLM
+from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, telemetry
 from tandem.service.interceptors import MalformedRequestInterceptor
 from tandem.service.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, message_options
+from tandem.speculation.grammar import Grammars
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
 from tandem.v1 import internal_pb2_grpc as internal_grpc
@@ -93,6 +94,11 @@ async def _serve(add, entry: bool = False, guard=None, max_message_bytes: int = 
     return server, f"127.0.0.1:{port}"
 
 
+def grammars_for(folder: Path | str, model: CausalLM) -> Grammars:
+    """What the worker's __main__ builds: guides compiled for the model's tokenizer and width."""
+    return Grammars(load_tokenizer(str(folder)), model.vocab_size, model.eos_ids)
+
+
 async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None, guard=None,
                       max_message_bytes: int = MAX_MESSAGE_BYTES) -> InProcessStack:
     """guard, max_message_bytes: the gateway's (gateway.guard.ClientGuard, --max-message-bytes)."""
@@ -101,11 +107,11 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
     v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
     verify = VerifyServicer(VerifyEngine(target_model), Batcher(target_model, v_thread),
-                            SessionKeeper(target_model.pool.slots))
+                            SessionKeeper(target_model.pool.slots), grammars=grammars_for(target, target_model))
     v_server, v_addr = await _serve(lambda s: internal_grpc.add_VerifyServiceServicer_to_server(verify, s))
     draft_servicer = DraftServicer({"ngram": NgramDrafter(), "model": ModelDrafter(draft_model)},
                                    draft_model.eos_ids, draft_model.vocab_size, d_thread,
-                                   batcher=Batcher(draft_model, d_thread))
+                                   batcher=Batcher(draft_model, d_thread), grammars=grammars_for(draft, draft_model))
     d_server, d_addr = await _serve(lambda s: internal_grpc.add_DraftServiceServicer_to_server(draft_servicer, s))
     from transformers import AutoTokenizer
     core = GenerationCore(AutoTokenizer.from_pretrained(str(target)), str(target), target_model.max_context,

@@ -216,13 +216,12 @@ def _sample(*more):
 UNSUPPORTED = [
     (_set("prefix_id", "p1"), "prefix_id is not supported by Tandem"),
     (_set("adapter_id", "lora1"), "adapter_id is not supported by Tandem"),
-    (_set("params.decoding.format", fm.DecodingParameters.JSON), "params.decoding.format (guided decoding)"),
-    (_set("params.decoding.json_schema", "{}"), "params.decoding.json_schema (guided decoding)"),
-    (_set("params.decoding.regex", "a+"), "params.decoding.regex (guided decoding)"),
-    (_set("params.decoding.choice", {}), "params.decoding.choice (guided decoding)"),
-    (_set("params.decoding.grammar", "root ::= x"), "params.decoding.grammar (guided decoding)"),
 ]
 INVALID = [
+    (_set("params.decoding.json_schema", "{nope"), "params.decoding.json_schema is not JSON"),
+    (_set("params.decoding.regex", ""), "params.decoding.regex must not be empty"),
+    (_set("params.decoding.choice", {}), "params.decoding.choice must hold at least one string"),
+    (_set("params.decoding.grammar", "root ::= x"), 'grammar does not compile: EBNF parser error'),
     (_sample(_set("params.sampling.temperature", -1.0)), "temperature must be a finite number >= 0"),
     (_sample(_set("params.sampling.top_p", 1.5)), "top_p must be in (0, 1]"),
     (_set("params.stopping.max_new_tokens", 100000), "max_new_tokens must be between 1 and 2048"),

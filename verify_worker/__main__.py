@@ -10,19 +10,22 @@ import time
 from tandem.cluster.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
 from tandem.engine.batcher import Batcher
 from tandem.engine.kvpool import MAX_PROPOSAL, proposal_room
-from tandem.engine.modeling import CausalLM
+from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics
 from tandem.service.config import (
     add_common_flags,
     add_flag,
+    add_guide_flags,
     add_kv_flags,
     add_model_flags,
     add_worker_flags,
+    check_guide_flags,
     check_kv_flags,
     check_worker_flags,
 )
 from tandem.service.server import service_from_args, setup_observability
+from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from verify_worker.engine import VerifyEngine
 from verify_worker.kvstore import SessionKeeper
@@ -47,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--share-prefixes", default=True, type=bool,
              help="a new session copies the KV of the longest prompt prefix (16+ tokens) another live or "
                   "kept session holds, instead of computing it")
+    add_guide_flags(parser)
     add_worker_flags(parser)
     return parser.parse_args(argv)
 
@@ -54,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
     check_kv_flags(args)
+    check_guide_flags(args)
     for flag in ("max_batch_tokens", "prefill_chunk"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
@@ -71,6 +76,8 @@ async def main(args: argparse.Namespace) -> None:
         return model
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
+    model = engine.model
+    grammars = Grammars(load_tokenizer(args.model), model.vocab_size, model.eos_ids, max_chars=args.max_guide_chars)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
     batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens)
     batcher.observers.append(lambda sessions, tokens, prefill, seconds: (
@@ -78,7 +85,8 @@ async def main(args: argparse.Namespace) -> None:
         metrics.BUSY_SECONDS.inc(seconds)))
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
     servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk,
-                              share_prefixes=args.share_prefixes)
+                              share_prefixes=args.share_prefixes, grammars=grammars,
+                              compile_timeout=args.guide_compile_timeout)
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

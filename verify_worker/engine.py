@@ -14,7 +14,8 @@ from tandem.engine.kvpool import MAX_PROPOSAL, common_prefix, copy_longest_prefi
 from tandem.engine.modeling import CausalLM, SessionCache
 from tandem.speculation.finish import Finish
 from tandem.speculation.logprobs import TokenLogprob, logprobs_of
-from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
+from tandem.speculation.grammar import Matcher
+from tandem.speculation.sampling import SamplingError, SamplingParams, make_generator, probabilities, process
 from tandem.speculation.verification import verify_greedy, verify_sampled
 
 
@@ -31,6 +32,7 @@ class TargetSession:
     cache: SessionCache
     generator: torch.Generator | None = None
     stop_reason: Finish = Finish.NONE
+    grammar: Matcher | None = None     # the guide's state after `tokens` (structured output)
 
     @property
     def generated(self) -> int:
@@ -55,7 +57,7 @@ class VerifyEngine:
         return kv_need(prompt_len, params.max_new_tokens, proposal_room(self.max_proposal), self.model.max_context)
 
     def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-             reuse: TargetSession | None = None) -> TargetSession:
+             reuse: TargetSession | None = None, grammar: Matcher | None = None) -> TargetSession:
         """A session with its KV reserved; `prefill_chunks` says what to feed before the first
         proposal. `reuse`, an earlier turn of the same session, lends its cache: only the positions
         after the prefix it shares with prompt_ids are computed. Raises KVPoolFull."""
@@ -65,6 +67,10 @@ class VerifyEngine:
         if len(prompt_ids) >= self.model.max_context:
             raise ProtocolError(f"prompt is {len(prompt_ids)} tokens; the model's context is "
                                 f"{self.model.max_context}")
+        if grammar is not None and params.resumed:         # a moved request: replay what was delivered
+            delivered = prompt_ids[len(prompt_ids) - params.resumed:]
+            if grammar.advance(delivered) != len(delivered):
+                raise ProtocolError("the output delivered before the move (resumed) does not match the guide")
         need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
             # Prompt logprobs need the logits of every prompt position: then nothing is reused.
@@ -75,7 +81,7 @@ class VerifyEngine:
         else:
             cache = self.model.new_cache(need)
         return TargetSession(session_id, params, len(prompt_ids), list(prompt_ids), cache,
-                             generator=make_generator(params.seed, stream=0))
+                             generator=make_generator(params.seed, stream=0), grammar=grammar)
 
     @staticmethod
     def share_prefix(s: TargetSession, donors: list[TargetSession], least: int = 16) -> int:
@@ -142,7 +148,12 @@ class VerifyEngine:
             s.cache.crop(base)
             raise ProtocolError(f"draft distributions have shape {tuple(draft_probs.shape)}, "
                                 f"expected ({k}, {self.model.vocab_size})")
-        processed = process(logits, s.tokens, s.prompt_len, s.params, self.model.eos_ids, proposed)  # [k+1, V]
+        allowed = s.grammar.allowed(proposed) if s.grammar is not None else None     # [k+1, V]
+        try:
+            processed = process(logits, s.tokens, s.prompt_len, s.params, self.model.eos_ids, proposed, allowed)
+        except SamplingError:
+            s.cache.crop(base)
+            raise
         proposed_t = torch.tensor(proposed, dtype=torch.long)      # [k]
         if s.params.greedy:
             outcome = verify_greedy(proposed_t, processed)
@@ -197,6 +208,13 @@ class VerifyEngine:
                 stop = Finish.CONTEXT_LENGTH
                 break
         s.tokens.extend(kept)
+        if s.grammar is not None:
+            if s.grammar.advance(kept) != len(kept):
+                raise RuntimeError("a committed token broke the guide: its mask was not applied")
+            # Where nothing but end-of-sequence may follow, the guide ended the output, whether the
+            # end-of-sequence token was decided in this round or not (the same reason either way).
+            if stop in (Finish.NONE, Finish.EOS) and s.grammar.done():
+                stop = Finish.GUIDE
         s.stop_reason = stop
         if stop and s.cache.length > len(s.tokens) - 1:
             s.cache.crop(len(s.tokens) - 1)

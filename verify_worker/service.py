@@ -10,6 +10,7 @@ import grpc
 from tandem.engine.batcher import Batcher, Ran, Step
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.service.telemetry import round_attributes
+from tandem.speculation.grammar import GrammarError, Grammars, Matcher
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
@@ -21,8 +22,11 @@ log = logging.getLogger(__name__)
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine, batcher: Batcher, keeper: SessionKeeper | None = None,
-                 prefill_chunk: int = 256, share_prefixes: bool = True) -> None:
+                 prefill_chunk: int = 256, share_prefixes: bool = True, grammars: Grammars | None = None,
+                 compile_timeout: float = 10.0) -> None:
         self.engine = engine
+        self.grammars = grammars               # None: guided requests are refused
+        self.compile_timeout = compile_timeout
         self.share_prefixes = share_prefixes   # copy a prompt prefix's KV from another session
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
@@ -60,13 +64,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             params = wire.check_params(wire.params_from_proto(sampling))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        grammar = await self._grammar(context, params)
         need = self.engine.capacity(len(prompt_ids), params)
 
         async def open_session(reuse: TargetSession | None) -> TargetSession:
             if reuse is None:
-                return self.engine.open(session_id, prompt_ids, params)
+                return self.engine.open(session_id, prompt_ids, params, grammar=grammar)
             # Between passes: a session whose stream broke mid-round may still be in a pass.
-            return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse)
+            return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse,
+                                                     grammar)
 
         try:
             session = await self.keeper.place(id(context), session_id, need, open_session,
@@ -97,6 +103,17 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.PREFILL_TOKENS.labels("computed").inc(max(0, computed))
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
         return session, cached, wire.logprobs_to_proto(reports)
+
+    async def _grammar(self, context, params) -> Matcher | None:
+        """The guide's matcher, compiled (or found in the cache) within the compile timeout."""
+        if params.guide is None:
+            return None
+        if self.grammars is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verify worker serves no guided decoding")
+        try:
+            return await self.grammars.matcher_within(params.guide, self.compile_timeout)
+        except GrammarError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _close(self, context) -> None:
         session = self.sessions.pop(id(context), None)

@@ -113,3 +113,16 @@ def check_kv_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"--kv-budget-tokens must be > 0, got {args.kv_budget_tokens}")
     if args.kv_memory_mb < 0:
         raise SystemExit(f"--kv-memory-mb must be >= 0 (0 = use --kv-budget-tokens), got {args.kv_memory_mb}")
+
+
+def add_guide_flags(parser: argparse.ArgumentParser) -> None:
+    """Structured output (tandem.speculation.grammar): the bounds on what a request may ask."""
+    add_flag(parser, "--max-guide-chars", default=65536, type=int,
+             help="longest JSON Schema, regex or grammar (choices: all together) a request may set")
+    add_flag(parser, "--guide-compile-timeout", default=10.0, type=float,
+             help="seconds a guide may take to compile before the request is refused (INVALID_ARGUMENT)")
+
+
+def check_guide_flags(args: argparse.Namespace) -> None:
+    if args.max_guide_chars <= 0 or args.guide_compile_timeout <= 0:
+        raise SystemExit("--max-guide-chars and --guide-compile-timeout must be > 0")

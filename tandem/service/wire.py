@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import torch
 
+from tandem.speculation.grammar import Guide
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 from tandem.v1 import internal_pb2 as pb
@@ -29,7 +30,28 @@ def params_to_proto(p: SamplingParams) -> pb.WorkerSampling:
                              typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              length_start=p.length_start, length_decay=p.length_decay, resumed=p.resumed,
-                             logprobs=p.logprobs, top_logprobs=p.top_logprobs, prompt_logprobs=p.prompt_logprobs)
+                             logprobs=p.logprobs, top_logprobs=p.top_logprobs, prompt_logprobs=p.prompt_logprobs,
+                             guide=guide_to_proto(p.guide))
+
+
+_GUIDE_KINDS = {pb.Guide.KIND_JSON: "json", pb.Guide.KIND_JSON_SCHEMA: "json_schema", pb.Guide.KIND_REGEX: "regex",
+                pb.Guide.KIND_CHOICE: "choice", pb.Guide.KIND_GRAMMAR: "grammar"}
+
+
+def guide_to_proto(g: Guide | None) -> pb.Guide | None:
+    if g is None:
+        return None
+    kind = next(number for number, name in _GUIDE_KINDS.items() if name == g.kind)
+    return pb.Guide(kind=kind, text=g.text, choices=g.choices)
+
+
+def guide_from_proto(m: pb.Guide) -> Guide | None:
+    """ValueError for a kind internal.proto does not define."""
+    if m.kind == pb.Guide.KIND_UNSPECIFIED:
+        return None
+    if m.kind not in _GUIDE_KINDS:
+        raise ValueError(f"sampling.guide.kind {m.kind} is not a known kind")
+    return Guide(_GUIDE_KINDS[m.kind], m.text, tuple(m.choices))
 
 
 def check_params(p: SamplingParams) -> SamplingParams:
@@ -55,6 +77,8 @@ def check_params(p: SamplingParams) -> SamplingParams:
         raise ValueError(f"sampling.min_new_tokens ({p.min_new_tokens}) exceeds max_new_tokens ({p.max_new_tokens})")
     if p.top_logprobs > MAX_TOP_LOGPROBS:
         raise ValueError(f"sampling.top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+    if p.guide is not None and p.guide.kind == "choice" and not p.guide.choices:
+        raise ValueError("sampling.guide.choices must not be empty")
     return p
 
 
@@ -68,7 +92,7 @@ def params_from_proto(m: pb.WorkerSampling) -> SamplingParams:
                           presence_penalty=float(m.presence_penalty), frequency_penalty=float(m.frequency_penalty),
                           length_start=int(m.length_start), length_decay=float(m.length_decay) or 1.0,
                           resumed=int(m.resumed), logprobs=bool(m.logprobs), top_logprobs=int(m.top_logprobs),
-                          prompt_logprobs=bool(m.prompt_logprobs))
+                          prompt_logprobs=bool(m.prompt_logprobs), guide=guide_from_proto(m.guide))
 
 
 def logprobs_to_proto(reports: list[TokenLogprob]) -> list[pb.TokenScore]:

@@ -11,6 +11,7 @@ class Finish(StrEnum):
     LENGTH = "length"                  # max_new_tokens reached
     EOS = "eos"                        # the model produced end-of-sequence
     CONTEXT_LENGTH = "context_length"  # the model's context window is full
+    GUIDE = "guide_complete"           # structured output: nothing but end-of-sequence may follow
     STOP_SEQUENCE = "stop_sequence"    # decided by the gateway, which sees text
     TIME_LIMIT = "time_limit"          # decided by the TGIS face (its time_limit_millis)
 
@@ -28,4 +29,4 @@ class Finish(StrEnum):
         raise ValueError(f"unknown stop reason {number}")
 
 
-_WIRE = {Finish.NONE: 0, Finish.LENGTH: 1, Finish.EOS: 2, Finish.CONTEXT_LENGTH: 3}
+_WIRE = {Finish.NONE: 0, Finish.LENGTH: 1, Finish.EOS: 2, Finish.CONTEXT_LENGTH: 3, Finish.GUIDE: 4}

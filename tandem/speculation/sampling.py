@@ -3,7 +3,8 @@
 One pipeline, in the order transformers' `generate` applies the same stages:
 
   history stages (see `process`): repetition penalty, presence/frequency penalties, the
-      min_new_tokens block on end-of-sequence, the exponential length penalty on end-of-sequence
+      min_new_tokens block on end-of-sequence, the exponential length penalty on end-of-sequence,
+      then the grammar's mask (structured output; transformers runs a caller's processors last)
   warpers (see `probabilities`, sampling only): temperature, top-k, top-p, typical-p
 
 History stages depend on the tokens before the position they process. Row i of a proposal's
@@ -17,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from tandem.speculation.grammar import Guide
 
 # The length penalty multiplies the end-of-sequence score by at most this much more: past it the
 # score is beyond any other anyway, and an unbounded power overflows.
@@ -52,6 +55,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    guide: Guide | None = None          # what the output must match (structured output)
 
     @property
     def greedy(self) -> bool:
@@ -63,18 +67,25 @@ class SamplingParams:
 
 
 def process(logits: torch.Tensor, history: list[int], prompt_len: int, params: SamplingParams,
-            eos_ids: list[int], proposed: list[int] = ()) -> torch.Tensor:
+            eos_ids: list[int], proposed: list[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The history stages. logits: [n, V] raw; row i is the distribution of the token after
     history + proposed[:i] (n <= len(proposed) + 1). history: every token so far, prompt_len of
-    them the prompt as the worker got it. Returns new logits [n, V] (the input when nothing applies)."""
+    them the prompt as the worker got it. allowed: [>= n, V] bool, the tokens a grammar allows at
+    each row (see tandem.speculation.grammar); where it allows nothing but end-of-sequence, the
+    min_new_tokens block does not apply. Returns new logits [n, V] (the input when nothing applies).
+    Raises SamplingError when the grammar allows no token at a row."""
     n, vocab = logits.shape
+    if allowed is not None:
+        allowed = allowed[:n]
+        if not bool(allowed.any(dim=1).all()):
+            raise SamplingError("the constraint allows no token at this position")
     output_start = prompt_len - params.resumed
     generated = len(history) - output_start           # output tokens before row 0
     rep, pres, freq = params.repetition_penalty, params.presence_penalty, params.frequency_penalty
     block = max(0, min(n, params.min_new_tokens + params.resumed - generated)) if eos_ids else 0
     lengthy = params.length_decay != 1.0 and eos_ids and generated + n - 1 > params.length_start
     if rep == 1.0 and pres == 0.0 and freq == 0.0 and not block and not lengthy:
-        return logits
+        return logits if allowed is None else logits.float().masked_fill(~allowed, float("-inf"))
     x = logits.float().clone()
     extra = torch.tensor(list(proposed[:n - 1]), dtype=torch.long)            # [n-1]
     if rep != 1.0:
@@ -92,7 +103,13 @@ def process(logits: torch.Tensor, history: list[int], prompt_len: int, params: S
             counts[i:, extra[i - 1]] += 1
         x = x - freq * counts - pres * (counts > 0).float()
     if block:
-        x[:block, eos_ids] = float("-inf")
+        blocked = x[:block, eos_ids]
+        if allowed is not None:      # a grammar that allows only end-of-sequence here ends the output
+            ending = ~allowed[:block].clone().index_fill_(1, torch.tensor(eos_ids), False).any(dim=1)
+            blocked = torch.where(ending.unsqueeze(1), blocked, float("-inf"))
+        else:
+            blocked = torch.full_like(blocked, float("-inf"))
+        x[:block, eos_ids] = blocked
     if lengthy:
         for i in range(n):
             over = generated + i - params.length_start
@@ -100,6 +117,8 @@ def process(logits: torch.Tensor, history: list[int], prompt_len: int, params: S
                 boost = min(math.exp(over * math.log(params.length_decay)), MAX_LENGTH_BOOST) - 1
                 eos = x[i, eos_ids]
                 x[i, eos_ids] = torch.where(torch.isfinite(eos), eos + eos.abs() * boost, eos)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     return x
 
 
