@@ -224,3 +224,40 @@ def test_stream_outliving_the_drain_moves_instead_of_failing(tiny_pair, expected
             assert final.usage.migrations == 1 and text == expected
     finally:
         own_redis.stop()
+
+
+def test_migrated_guided_stream_replays_its_guide(cluster, tiny_pair):
+    """A guided stream moved after kill -9 of its verify worker: both new workers rebuild the guide's
+    state by replaying the delivered tokens, so the output equals the target alone under the guide
+    (transformers' generate with xgrammar's own processor). Without the replay the new matcher
+    would start over and force the leading "=" a second time."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
+    regex = "=[a-z ]+"
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size, stop_token_ids=[tok.eos_token_id])
+    processor = xgr.contrib.hf.LogitsProcessor(xgr.GrammarCompiler(info).compile_regex(regex))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    out = hf.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, logits_processor=[processor])
+    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    req = long_request()
+    req.guided.regex = regex
+
+    def kill():
+        cluster.kill(holder(cluster, "verify_worker"), signal.SIGKILL)
+
+    try:
+        with grpc.insecure_channel(cluster.address("gateway")) as ch:
+            call = pb_grpc.GenerationServiceStub(ch).GenerateStream(req, timeout=120)
+            msgs = [next(call)]
+            while sum(m.token_count for m in msgs) < 40:
+                msgs.append(next(call))
+            kill()
+            msgs += list(call)
+        text = "".join(m.text for m in msgs)
+        assert msgs[-1].usage.migrations == 1
+        assert text == want and text.count("=") == 1
+    finally:
+        replace_dead(cluster)
