@@ -281,3 +281,222 @@ def test_no_finite_distribution_is_the_requests_fault():
     with pytest.raises(SamplingError):
         probabilities(logits, SamplingParams(temperature=1.0))
     assert torch.allclose(probabilities(torch.tensor([[0.0, 1.0, 2.0]]), SamplingParams(temperature=1.0)).sum(), torch.tensor(1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 3: structured output, through the verify engine and the model drafter
+# ---------------------------------------------------------------------------------------------
+#
+# The system under test: VerifyEngine (`open`, `prefill`, `verify` -> `judge` -> `_commit`) with a
+# Tandem Matcher as the session's grammar, and ModelDrafter drafting under a second Matcher that
+# follows the committed tokens, the guide's forced tokens proposed first with one-hot q, as
+# draft_worker.speculation._guided does. The draft is a second tiny model with unrelated weights
+# (seed 5): under the mask about 75% of its tokens are accepted, so every row rejects sometimes
+# and the bonus row is reached too (asserted). Both models' forward passes are memoized by prefix
+# (`_Memo`: logits are a function of the tokens), which makes thousands of sessions affordable;
+# everything else is the workers' real path.
+#
+# The reference, the masked target alone, owes nothing to Tandem: the target's folder loaded
+# with transformers, each row masked by xgrammar's own GrammarMatcher / bitmask API, divided by
+# the temperature and softmaxed, enumerated over the first T = 3 tokens (an end token padded with
+# PAD). The statistic is Part 2's `detection`: every full outcome and each position's marginal
+# within Bernstein's bound at Z = 4.5, an outcome the reference forbids infinitely far.
+#
+# Guides (each leaves a choice at each of the first positions; the tokenizer has the token 'dd'):
+#   "choice": [ab][a-d]{1,15} - 'a'/'b', then 'a'..'d' or 'dd', end-of-sequence from the third
+#             character on; no forced tokens. k = 3.
+#   "forced": [ab]([ab]-|[cd])[a-d]{1,15} - after 'aa', 'ab', 'ba' or 'bb' the guide forces '-',
+#             which a round starting there (about one session in 20) proposes by jump-forward
+#             before its k = 2 drafted tokens.
+# Wrong variants, inside the verify engine only, through the same statistic:
+#   "row0":     every row of a proposal masked with the state at row 0. Under "choice" the row 0
+#               state is a subset of every later row's, so nothing the guide refuses is committed
+#               and only frequencies move; under "forced" it commits refused tokens.
+#   "unmasked": the target ignores the guide.
+
+GUIDED_PROMPT = "def add(a, b):"
+GUIDED_PARAMS = SamplingParams(temperature=10.0, max_new_tokens=32)   # the tiny target's logits are x25
+GUIDED_N = 4000
+GUIDED_CONFIGS = {   # name: (regex, k, wrong variants that must be detected)
+    "choice": ("[ab][a-d]{1,15}", 3, ["row0", "unmasked"]),
+    "forced": ("[ab]([ab]-|[cd])[a-d]{1,15}", 2, ["row0"]),
+}
+
+
+class _Tape:
+    """Stands in for a SessionCache: the ids fed so far (`_Memo` computes the logits)."""
+    capacity = 1 << 20
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def crop(self, n: int) -> None:
+        del self.ids[n:]
+
+    def reserve(self, total: int, spare: bool = True) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class _Memo:
+    """A CausalLM whose forward passes are memoized by prefix: the logits after ids[:j + 1] are the
+    real model's row j of one pass over the whole sequence, computed the first time it is asked."""
+
+    def __init__(self, lm) -> None:
+        self.lm, self.pool = lm, lm.pool
+        self.vocab_size, self.eos_ids, self.max_context = lm.vocab_size, lm.eos_ids, lm.max_context
+        self.rows: dict[tuple, torch.Tensor] = {}
+
+    def new_cache(self, capacity: int = 64) -> _Tape:
+        return _Tape()
+
+    def forward(self, token_ids: list[int], cache: _Tape, last: int | None = None) -> torch.Tensor:
+        start, full = cache.length, cache.ids + list(token_ids)
+        if tuple(full) not in self.rows:
+            real = self.lm.new_cache(len(full))
+            try:
+                logits = self.lm.forward(full, real)
+            finally:
+                real.release()
+            for j in range(len(full)):
+                self.rows[tuple(full[:j + 1])] = logits[j]
+        cache.ids = full
+        rows = [self.rows[tuple(full[:j + 1])] for j in range(start, len(full))]
+        return torch.stack(rows[-last:] if last else rows)
+
+
+@pytest.fixture(scope="module")
+def guided(tiny_pair, tiny_models, tmp_path_factory):
+    """(target folder, tokenizer, memoized target, memoized unrelated draft, Grammars, prompt ids)."""
+    from tandem.engine.modeling import CausalLM, load_tokenizer
+    from tandem.speculation.grammar import Grammars
+    from tandem.testing import build_tiny_model
+    target, model = tiny_pair[0], tiny_models[0]
+    other = build_tiny_model(tmp_path_factory.mktemp("guided") / "draft", seed=5)
+    tok = load_tokenizer(str(target))
+    return (target, tok, _Memo(model), _Memo(CausalLM(str(other))),
+            Grammars(tok, model.vocab_size, model.eos_ids), tok(GUIDED_PROMPT).input_ids)
+
+
+def guided_exact(folder, tok, prompt: list[int], regex: str, temperature: float) -> dict[tuple, float]:
+    """The masked target's distribution of the first T tokens, from transformers and xgrammar alone."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab, eos = model.config.vocab_size, model.config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=sorted(eos))
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex(regex))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    result = {}
+
+    def walk(out: tuple, prob: float):
+        if len(out) == T or (out and out[-1] in eos):
+            result[tuple(PAD if t in eos else t for t in out) + (PAD,) * (T - len(out))] = prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(out)])).logits[:, -1].float().clone()   # [1, V]
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        p = torch.softmax(logits / temperature, dim=-1)[0]
+        for t in p.nonzero().flatten().tolist():
+            assert matcher.accept_token(t)
+            walk(out + (t,), prob * float(p[t]))
+            matcher.rollback(1)
+
+    walk((), 1.0)
+    return result
+
+
+def guided_first_tokens(engine, drafter, grammars, guide, prompt: list[int], params: SamplingParams,
+                        k: int, seen: Counter) -> tuple:
+    """One session's first T tokens (PAD after its end), speculating as the draft worker does;
+    counts each round's accepted tokens and the forced tokens proposed into `seen`."""
+    from tandem.service import wire
+    vocab = engine.model.vocab_size
+    s = engine.open("guided", prompt, params, grammar=grammars.matcher(guide))
+    engine.prefill(s)
+    g = grammars.matcher(guide)                       # the draft side's, after s.tokens
+    state = drafter.start(params, engine.model.eos_ids, len(prompt), grammar=g)
+    try:
+        while len(s.tokens) - len(prompt) < T and not s.stop_reason:
+            forced = g.forced(engine.max_proposal - k)                        # jump-forward
+            g.advance(forced)
+            try:
+                draft = state.propose(s.tokens + forced, k)
+            finally:
+                g.rollback(len(forced))
+            tokens = forced + draft.tokens
+            support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + draft.support
+            q = wire.dense_draft_probs([wire.support_to_proto(i, p) for i, p in support], len(tokens), vocab)
+            try:
+                verdict = engine.verify(s, tokens, q)
+            except RuntimeError:      # "a committed token broke the guide": wrong variants only
+                break
+            seen["forced"] += len(forced)
+            seen[f"accepted {verdict.accepted - len(forced)} of {len(draft.tokens)}"] += 1
+            if not verdict.stop_reason:
+                assert g.advance(verdict.token_ids) == len(verdict.token_ids)
+    finally:
+        state.close()
+    return tuple(s.tokens[len(prompt):len(prompt) + T]) + (PAD,) * (T - (len(s.tokens) - len(prompt)))
+
+
+def guided_counts(guided, regex: str, k: int, n: int, bug: str | None, monkeypatch) -> tuple[Counter, Counter]:
+    """(first T tokens of n sessions, seeds 0..n-1; what the rounds did)."""
+    from dataclasses import replace
+
+    import verify_worker.engine as engine_module
+    from draft_worker.drafters import ModelDrafter
+    from tandem.speculation.grammar import Guide
+    _, _, target, draft, grammars, prompt = guided
+    real = engine_module.process
+
+    def wrong(logits, history, prompt_len, params, eos_ids, proposed=(), allowed=None):
+        if allowed is not None:
+            allowed = None if bug == "unmasked" else allowed[:1].expand_as(allowed)   # "row0"
+        return real(logits, history, prompt_len, params, eos_ids, proposed, allowed)
+
+    engine, drafter, guide = engine_module.VerifyEngine(target), ModelDrafter(draft), Guide("regex", regex)
+    seen: Counter = Counter()
+    with monkeypatch.context() as patch:
+        if bug is not None:
+            patch.setattr(engine_module, "process", wrong)
+        counts = Counter(guided_first_tokens(engine, drafter, grammars, guide, prompt,
+                                             replace(GUIDED_PARAMS, seed=seed), k, seen) for seed in range(n))
+    return counts, seen
+
+
+def test_guided_threshold_detects_four_percentage_points():
+    assert bound(0.5, GUIDED_N) < 0.04
+
+
+@pytest.mark.parametrize("name", list(GUIDED_CONFIGS))
+def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
+    regex, k, bugs = GUIDED_CONFIGS[name]
+    folder, tok, *_, prompt = guided
+    exact = guided_exact(folder, tok, prompt, regex, GUIDED_PARAMS.temperature)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    for pos in range(T):          # a real choice at every position, end-of-sequence among them
+        assert len({c[pos] for c in exact}) >= (2 if pos == 0 else 5), (pos, exact)
+    assert any(PAD in c for c in exact)
+    stats, seen = {}, {}
+    for bug in [None, *bugs]:
+        counts, seen[bug] = guided_counts(guided, regex, k, GUIDED_N, bug, monkeypatch)
+        stats[bug] = detection(counts, exact)
+    print(name, {b: round(s, 2) for b, s in stats.items()}, dict(seen[None]))
+    # every row of a proposal rejected sometimes, and all of it accepted (the bonus row) too
+    assert all(seen[None][f"accepted {a} of {k}"] > 0 for a in range(k + 1)), seen[None]
+    assert (seen[None]["forced"] > 0) == (name == "forced")
+    assert stats[None] < 1, stats
+    for bug in bugs:
+        assert stats[bug] > 1, (bug, stats)

@@ -55,9 +55,9 @@ PENALTIES = {
 def always_speculate(stack):
     """The draft worker proposes every round: its rate controller would otherwise learn that the
     tiny models' drafts do not pay and decode plainly, and the tests would not speculate."""
-    stack.draft.adaptive_k = False
+    stack.draft.drafting.adaptive_k = False
     yield
-    stack.draft.adaptive_k = True
+    stack.draft.drafting.adaptive_k = True
 
 
 @pytest.fixture(scope="module")
