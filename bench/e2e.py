@@ -7,6 +7,9 @@ the same generation through the service and through the same engine in one proce
 And the cost of request parameters (bench/params.py): per-token information and a penalty, with
 speculation on and off.
 
+And structured output (bench/guided.py): JSON Schema extraction with and without jump-forward, set
+against the same prompts' free-text speed-up, and the guide's masks' share of a round.
+
 Prints tables and writes JSON to bench/results/.
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.guided import guided, mask_costs, print_guided
 from bench.params import parameters, print_parameters
 from bench.report import machine, summarize, timed_generate, write_json
 from tandem.client import build_request
@@ -137,9 +141,11 @@ def overhead(rounds_tokens: int = 96) -> dict:
             "in_process_round_ms": 1000 * statistics.median(local[2:])}
 
 
-SECTIONS = ("overhead", "models", "params")
-FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2}
-QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2}
+SECTIONS = ("overhead", "models", "params", "guided")
+FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2,
+        "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1}
+QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2,
+         "guided_prompts": 1, "guided_max_new_tokens": 24, "guided_repeats": 1}
 
 
 def main(argv=None) -> None:
@@ -163,6 +169,12 @@ def main(argv=None) -> None:
                         "in the prompt: where n-gram drafting helps)")
     p.add_argument("--params-repeats", type=int,
                    help=f"parameters: passes over the prompts (default {FULL['params_repeats']})")
+    p.add_argument("--guided-prompts", type=int,
+                   help=f"guided: use the first N extraction prompts (default {FULL['guided_prompts']})")
+    p.add_argument("--guided-max-new-tokens", type=int,
+                   help=f"guided: per request (default {FULL['guided_max_new_tokens']})")
+    p.add_argument("--guided-repeats", type=int,
+                   help=f"guided: passes over the prompts (default {FULL['guided_repeats']})")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
@@ -180,7 +192,7 @@ def main(argv=None) -> None:
               f"({o['in_band_ms_min']:.2f}-{o['in_band_ms_max']:.2f}); end to end median {o['overhead_ms_median']:.2f} ms "
               f"(service {o['service_round_ms']:.2f} ms/round vs in-process {o['in_process_round_ms']:.2f} ms/round)",
               flush=True)
-    if sections & {"models", "params"}:
+    if sections & {"models", "params", "guided"}:
         import transformers
         torch.set_num_threads(a.threads)
         spec = a.params_spec or ("model" if a.draft != "none" else "ngram")
@@ -211,6 +223,11 @@ def main(argv=None) -> None:
                 result["parameters"] = parameters(stub, params_prompts[:a.prompts], spec,
                                                   a.k if spec == "model" else a.ngram_k, a.max_new_tokens,
                                                   a.params_repeats)
+            if "guided" in sections:     # last: it adds a draft worker and gateways to the stack
+                print("guided:", flush=True)
+                result["guided"] = guided(stack, a.k, a.guided_max_new_tokens, a.guided_prompts, a.guided_repeats)
+    if "guided" in sections:
+        mask_costs(result["guided"], a.target)
     if "models" in sections:
         from transformers import AutoModelForCausalLM
 
@@ -261,6 +278,8 @@ def main(argv=None) -> None:
               f"k={a.k}: {summary['model']['bound']:.2f}x")
     if "params" in sections:
         print_parameters(result["parameters"])
+    if "guided" in sections:
+        print_guided(result["guided"])
     write_json(a.out, result)
 
 
