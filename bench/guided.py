@@ -35,8 +35,7 @@ import grpc
 
 from bench.report import summarize, timed_generate
 from tandem.client import build_request
-from tandem.cluster.redis_conn import free_port
-from tandem.launch import Stack, wait_serving
+from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 INT = {"type": "integer", "minimum": 0}
@@ -96,10 +95,8 @@ def run_one(stub, task: int, guided: bool, method: str, k: int, n: int, prompt: 
     return run
 
 
-def _start_gateway(stack: Stack, name: str, draft: str) -> None:
-    stack._spawn(name, ["--model", stack.target, "--verify-workers", stack.address("verify_worker"),
-                        "--draft-workers", stack.address(draft)], free_port())
-    wait_serving(stack.address(name), stack.procs[name], 600, stack.tls)
+def _start_gateway(stack: Stack, draft: str) -> str:
+    return stack.add_gateway(["--verify-workers", stack.address("verify_worker"), "--draft-workers", stack.address(draft)])
 
 
 def guided(stack: Stack, k: int, n: int, tasks: int, repeats: int) -> dict:
@@ -109,17 +106,11 @@ def guided(stack: Stack, k: int, n: int, tasks: int, repeats: int) -> dict:
     prompt (not counted) prefills it, so that the counted runs copy its KV and time rounds alone."""
     if stack.draft == "none":
         raise SystemExit("the guided section needs a draft model")
-    args = list(stack.draft_args)
-    stack.draft_args = [*args, "--no-jump-forward"]
-    try:
-        nojf = stack.add_worker("draft_worker")
-    finally:
-        stack.draft_args = args
-    _start_gateway(stack, "gateway-jf", "draft_worker")
-    _start_gateway(stack, "gateway-nojf", nojf)
+    nojf = stack.add_worker("draft_worker", extra_args=["--no-jump-forward"])
+    gateways = {"jf": _start_gateway(stack, "draft_worker"), "nojf": _start_gateway(stack, nojf)}
     with contextlib.ExitStack() as ex:
-        stubs = {g: pb_grpc.GenerationServiceStub(ex.enter_context(grpc.insecure_channel(stack.address(f"gateway-{g}"))))
-                 for g in ("jf", "nojf")}
+        stubs = {g: pb_grpc.GenerationServiceStub(ex.enter_context(grpc.insecure_channel(stack.address(name))))
+                 for g, name in gateways.items()}
         for t in range(tasks):           # warm-up, short prompts: every path, each guide compiled everywhere
             for gd, m, g in CONFIGS.values():
                 if gd or t == 0:
@@ -263,8 +254,8 @@ def print_guided(r: dict) -> None:
     print(f"\nguided: JSON Schema extraction, {len(s['tasks'])} prompts x {s['repeats']} passes, k={s['k']}, "
           f"max_new_tokens {s['max_new_tokens']}; model = with jump-forward, model_nojf = without")
     print("\n| request | speculation | tokens/s (all prompts) | median (min-max) | tokens | rounds | acceptance "
-          "| mean accepted length |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(drafted) | forced tokens (accepted) | mean accepted length |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, x in r["summary"].items():
         g, m = name.split("/")
         acc = f"{x['acceptance']:.0%}" if x["acceptance"] is not None else "-"
@@ -272,7 +263,7 @@ def print_guided(r: dict) -> None:
         runs = r["runs"][name]
         print(f"| {g} | {m} | {x['tok_s_total']:.2f} | {x['tok_s_median']:.2f} ({x['tok_s_min']:.2f}-"
               f"{x['tok_s_max']:.2f}) | {sum(u['tokens'] for u in runs)} | {sum(u['rounds'] for u in runs)} "
-              f"| {acc} | {mal} |")
+              f"| {acc} | {x.get('forced', 0)} ({x.get('forced_accepted', 0)}) | {mal} |")
     print("\n| ratio | paired by pass and prompt: median (min-max) | of totals | goal |")
     print("| --- | --- | --- | --- |")
     for name, x in r["ratios"].items():

@@ -31,7 +31,7 @@ def timed_generate(stub, req) -> tuple[dict, object]:
     u = r.usage
     return {"tokens": u.generated_tokens, "seconds": wall, "tok_s": u.generated_tokens / wall,
             "drafted": u.draft_tokens, "accepted": u.accepted_tokens, "rounds": u.verify_rounds,
-            "text": r.text}, r
+            "forced": u.forced_tokens, "forced_accepted": u.forced_accepted_tokens, "text": r.text}, r
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -43,4 +43,5 @@ def summarize(runs: list[dict]) -> dict:
     return {"tok_s_median": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
             "tok_s_total": tokens / sum(r["seconds"] for r in runs),
             "acceptance": accepted / drafted if drafted else None,
+            "forced": sum(r.get("forced", 0) for r in runs), "forced_accepted": sum(r.get("forced_accepted", 0) for r in runs),
             "mean_accepted_length": tokens / rounds if rounds else None, "runs": len(runs)}

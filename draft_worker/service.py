@@ -10,7 +10,7 @@ import grpc
 
 from draft_worker.controller import Survival
 from draft_worker.drafters import Drafter
-from draft_worker.speculation import Drafting, Speculation, VerifyClosed
+from draft_worker.speculation import JUMP_FORWARD, Drafting, Speculation, VerifyClosed
 from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
@@ -37,7 +37,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self._acceptance: dict[tuple[str, str], dict[object, Survival]] = {}
         self.sessions: dict[int, Speculation] = {}     # by stream, while the stream lives
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
-        metrics.declare_methods(drafters)
+        metrics.declare_methods([*drafters, JUMP_FORWARD])
 
     def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
         channel = self._channels.get(address)

@@ -27,6 +27,9 @@ from tandem.speculation.sampling import SamplingParams
 from tandem.v1 import internal_pb2 as pb
 
 
+JUMP_FORWARD = "jump_forward"    # the method label of the tokens a guide forces, in metrics
+
+
 def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int,
            max_context: int, max_proposal: int) -> int:
     """How many tokens to propose this round: never more than can still be used (each round also
@@ -138,9 +141,10 @@ class Speculation:
             if not continued:
                 metrics.PROPOSE.observe(propose_s)
                 metrics.ROUND_TRIP.observe(rtt_s)
-            checked = self._apply(draft, verdict, propose_s + rtt_s, rtt_s)
-            chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked,
-                                  accepted_tokens=verdict.accepted, stop_reason=verdict.stop_reason,
+            checked, forced, forced_accepted = self._apply(draft, verdict, propose_s + rtt_s, rtt_s)
+            chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked - forced,
+                                  accepted_tokens=verdict.accepted - forced_accepted, forced_tokens=forced,
+                                  forced_accepted=forced_accepted, stop_reason=verdict.stop_reason,
                                   cached_tokens=cached, logprobs=verdict.logprobs, prompt_logprobs=prompt_reports)
             cached, prompt_reports = 0, ()
             if verdict.stop_reason:
@@ -162,11 +166,15 @@ class Speculation:
             self.ahead = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1)
         return draft, control.plain_run() if control is not None and not draft.tokens else 1
 
-    def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> int:
+    def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> tuple[int, int, int]:
         """Takes in a verdict: the context grows by its tokens, the counts and the controller learn
-        from it. Returns how many proposed tokens the target judged."""
+        from it. Returns how many proposed tokens the target judged, and how many of those and of
+        the accepted ones a guide forced (they lead the proposal)."""
         checked = len(draft.tokens) - verdict.unverified
-        metrics.observe_verdict(self.drafter.name, checked, verdict.accepted)
+        forced = min(draft.forced, checked)
+        forced_accepted = min(draft.forced, verdict.accepted)
+        metrics.observe_verdict(JUMP_FORWARD, forced, forced_accepted)
+        metrics.observe_verdict(self.drafter.name, checked - forced, verdict.accepted - forced_accepted)
         self.rounds, self.drafted, self.accepted = (self.rounds + 1, self.drafted + checked,
                                                     self.accepted + verdict.accepted)
         if self.control is not None:
@@ -178,7 +186,7 @@ class Speculation:
             if taken != len(verdict.token_ids):       # cannot happen with the same guide: draft unmasked
                 self.grammar.rollback(taken)
                 self.grammar = None
-        return checked
+        return checked, forced, forced_accepted
 
     async def _next_proposal(self, draft: Draft, verdict: pb.Verdict) -> asyncio.Future:
         """The next proposal, drafting while the last chunk travels to the gateway. A pipelined

@@ -56,6 +56,8 @@ class Usage:
     draft_method: str = "none"
     cached_prompt_tokens: int = 0      # prompt tokens whose KV a verify worker kept from an earlier turn
     migrations: int = 0                # times the request moved after a worker failed
+    forced_tokens: int = 0             # proposed by a guide's jump-forward, not drafted
+    forced_accepted_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -138,6 +138,8 @@ class RequestRun:
         u.generated_tokens += len(chunk.token_ids)
         u.draft_tokens += chunk.draft_tokens
         u.accepted_tokens += chunk.accepted_tokens
+        u.forced_tokens += chunk.forced_tokens
+        u.forced_accepted_tokens += chunk.forced_accepted
         u.verify_rounds += 1
         details, prompt_details = self._reports(chunk, address)
         self.delivered.extend(chunk.token_ids)

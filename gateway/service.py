@@ -36,7 +36,8 @@ def usage_proto(final: Final) -> pb.Usage:
                     draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
                     verify_rounds=u.verify_rounds, acceptance_rate=u.acceptance_rate,
                     mean_accepted_length=u.mean_accepted_length, draft_method=u.draft_method,
-                    cached_prompt_tokens=u.cached_prompt_tokens, migrations=u.migrations)
+                    cached_prompt_tokens=u.cached_prompt_tokens, migrations=u.migrations,
+                    forced_tokens=u.forced_tokens, forced_accepted_tokens=u.forced_accepted_tokens)
 
 
 def logprobs_proto(reports: list[TokenReport] | None) -> list[pb.TokenLogprob]:

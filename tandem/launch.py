@@ -121,8 +121,9 @@ class Stack:
             n += 1
         return name
 
-    def add_worker(self, kind: str, wait: bool = True, timeout: float = 600) -> str:
-        """Starts one more verify_worker or draft_worker; returns its name (verify_worker-2, ...)."""
+    def add_worker(self, kind: str, wait: bool = True, timeout: float = 600, extra_args: list[str] = ()) -> str:
+        """Starts one more verify_worker or draft_worker, with the pool's flags and then
+        `extra_args`; returns its name (verify_worker-2, ...)."""
         name = self._name(kind)
         beat = ["--heartbeat-seconds", str(self.heartbeat_seconds)]
         if kind == "verify_worker":
@@ -130,7 +131,7 @@ class Stack:
         else:
             args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat,
                     *self.draft_args]
-        self._spawn(name, args, free_port())
+        self._spawn(name, [*args, *extra_args], free_port())
         if wait:
             wait_serving(self.address(name), self.procs[name], timeout, self.tls)
         return name
@@ -151,6 +152,14 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def add_gateway(self, args: list[str], timeout: float = 600) -> str:
+        """Starts one more gateway for this target with `args` (e.g. static --verify-workers and
+        --draft-workers to route to chosen workers); returns its name (gateway-2, ...)."""
+        name = self._name("gateway")
+        self._spawn(name, ["--model", self.target, *args], free_port())
+        wait_serving(self.address(name), self.procs[name], timeout, self.tls)
+        return name
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.procs[name].send_signal(sig)

@@ -287,3 +287,18 @@ async def test_sampled_guided_output_matches_and_repeats(stack, kind, value, mat
             assert again.text == first.text and [t.token_id for t in again.tokens] == [t.token_id for t in first.tokens]
     finally:
         stack.draft.drafting.adaptive_k = True
+
+
+async def test_jump_forward_is_counted_apart_and_changes_no_token(smol, oracle):
+    """The tokens a schema forces (keys, punctuation) are proposed by jump-forward and reported as
+    forced_tokens, not as the drafter's; turned off, the same output comes with none forced."""
+    req = native(chat(oracle, CASES["json_schema"][2]), "json_schema", json.dumps(SCHEMA), "ngram")
+    on = await smol.tandem.Generate(req, timeout=TIMEOUT)
+    smol.draft.drafting.jump_forward = False
+    try:
+        off = await smol.tandem.Generate(req, timeout=TIMEOUT)
+    finally:
+        smol.draft.drafting.jump_forward = True
+    assert [t.token_id for t in on.tokens] == [t.token_id for t in off.tokens]
+    assert 0 < on.usage.forced_accepted_tokens <= on.usage.forced_tokens
+    assert off.usage.forced_tokens == 0 and off.usage.verify_rounds > on.usage.verify_rounds
