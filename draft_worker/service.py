@@ -96,9 +96,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     @staticmethod
     async def _relay(context, address: str, code: grpc.StatusCode, details: str) -> None:
         """Ends the request with the verify worker's error, marked as the verify worker's. Its
-        address goes to the log, not into the message, which may reach a client."""
-        if code not in wire.ANSWERS:
-            log.warning("verify worker %s: %s: %s", address, code.name, details)
+        address goes to the log, not into the message, which may reach a client. A deliberate
+        answer (a bad request, no room) passes on word for word, as it reads without speculation;
+        a failure says where it happened."""
+        if code in wire.ANSWERS:
+            await context.abort(code, details, trailing_metadata=wire.FAILED_VERIFY)
+        log.warning("verify worker %s: %s: %s", address, code.name, details)
         await context.abort(code, f"verify worker: {details}", trailing_metadata=wire.FAILED_VERIFY)
 
     async def Status(self, request, context) -> pb.WorkerStatus:

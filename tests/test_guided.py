@@ -53,6 +53,14 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                        "items": {"type": "object", "additionalProperties": False, "required": ["kind", "legs"],
                                  "properties": {"kind": {"type": "string", "enum": ["cat", "dog", "bird"]},
                                                 "legs": {"type": "integer"}}}}}}
+EVENT = {"type": "object", "additionalProperties": False, "required": ["title", "day", "price", "tags", "venue"],
+         "properties": {
+             "title": {"type": "string", "maxLength": 16},
+             "day": {"type": "string", "enum": ["Monday", "Friday", "Sunday"]},
+             "price": {"type": "number"},
+             "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+             "venue": {"type": "object", "additionalProperties": False, "required": ["name", "seats"],
+                       "properties": {"name": {"type": "string", "maxLength": 12}, "seats": {"type": "integer"}}}}}
 DATE = r"\d{4}-\d{2}-\d{2}"
 MOODS = ["positive", "negative", "neutral", "mixed"]
 SQL = 'root ::= "SELECT " col " FROM " tbl\ncol ::= "name" | "age" | "*"\ntbl ::= "users" | "orders"'
@@ -62,6 +70,9 @@ CASES = {
     "json_schema": ("json_schema", json.dumps(SCHEMA),
                     "Describe Alice, 31, a club member from Paris, France, who has a cat, as JSON.",
                     lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    "json_schema_event": ("json_schema", json.dumps(EVENT),
+                          "A jazz concert on Friday at the Blue Hall (200 seats), tickets 12.5 euros. As JSON.",
+                          lambda t: jsonschema.validate(json.loads(t), EVENT)),
     "json_object": ("json_object", True, 'Give a short JSON object with the keys "city" and "population" for Rome.',
                     json.loads),
     "regex": ("regex", DATE, "On what date did Apollo 11 land on the Moon? Answer as YYYY-MM-DD.",
