@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check clean
+.PHONY: setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,11 @@ VARIANT ?= gpu
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image:
 	docker build -f deploy/Dockerfile --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(VERSION)-$(VARIANT) .
+
+# Build the cpu image for real and run the chart's pods (cpu-dev values) as Docker containers:
+# health, greedy output, migration on docker stop, non-root, read-only root. Root + Docker; not in `make test`.
+image-check:
+	deploy/image-check.sh
 
 # Render, lint and schema-validate the Helm chart and kustomize overlays (no cluster needed).
 deploy-check: test-deploy

@@ -222,7 +222,7 @@ class Speculation:
         start = time.perf_counter()
         g = self.grammar
         forced = g.forced(self._room()) if self.drafting.jump_forward else []
-        g.advance(forced)
+        forced = forced[:g.advance(forced)]
         try:
             draft, _ = await self._draft(tokens + forced, min(k, self._room() - len(forced)))
             if not self.drafter.uses_model:

@@ -174,8 +174,8 @@ def check_guide(limits: Limits, params: SamplingParams, kind: str | None, *, tex
     if kind == "json_schema":
         try:
             schema = json.loads(text)
-        except ValueError as e:
-            raise InvalidRequest(f"{where(kind)} is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:        # nested past the parser's depth: RecursionError
+            raise InvalidRequest(f"{where(kind)} is not JSON: {e or 'nested too deep'}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(f"{where(kind)} must be a JSON object (a schema), got {type(schema).__name__}")
     if kind == "choice":

@@ -6,11 +6,20 @@ target's greedy output. TANDEM_FUZZ_EXAMPLES scales the number of examples.
 The processing and reporting fields (penalties, typical-p, length penalty, logprobs / TGIS
 response options, truncate_input_tokens) are also probed on otherwise valid requests, so their
 checks are reached rather than hidden behind an earlier refusal: there the status must be exactly
-INVALID_ARGUMENT naming a field out of range, or OK with the counts the request asked for."""
+INVALID_ARGUMENT naming a field out of range, or OK with the counts the request asked for.
+
+Structured output (guided decoding) is fuzzed on its own: JSON Schemas, regexes, choices and EBNF
+grammars, well-formed and hostile, on both faces and in oneof combinations, while guided greedy
+streams stay what they were before the fuzzing began. What that fuzzing found (JSON nested past
+the parser, jump-forward without end, the end-of-sequence token's text, an unbounded compile cache)
+is fixed; the tests at the end of the file failed before the fixes."""
 
 import asyncio
+import json
 import math
 import os
+import re
+import time
 from collections import Counter
 
 import grpc
@@ -703,3 +712,553 @@ async def test_extreme_valid_values_are_served_or_refused_never_fail_a_worker(ow
     assert good == expected_good
     after = await collect(own_stack.tandem.GenerateStream(good_request(), timeout=60))   # the workers are still up
     assert "".join(m.text for m in after) == expected_good
+
+
+# ---- structured output: hostile guides on both faces, next to well-formed guided streams ----
+#
+# Each guide kind drawn both well-formed and hostile, on requests that are otherwise valid (so the
+# guide is what is judged), with at most 8 new tokens. A request ends OK, INVALID_ARGUMENT, or
+# RESOURCE_EXHAUSTED (over the message size), never anything else; when it ends OK and its guide's
+# language is known here, the output belongs to it (or, cut by max_new_tokens, begins a choice).
+
+GUIDED_PROPER = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+GUIDED_EXAMPLES = max(10, EXAMPLES * 2 // 3)    # per strategy, of three: each example compiles a guide
+# A regex made of these means the same to Python's re and to xgrammar: literals, escaped
+# metacharacters, ASCII classes, groups, alternation and the usual quantifiers (no ., \d, \w, \s,
+# anchors or lazy quantifiers, whose dialects differ); a quantifier only ever follows a group.
+RX_ATOMS = ["a", "b", "c", "x", "0", "1", "9", "-", "_", " ", "é", "\\.", "\\+", "\\(", "\\?", "\\*",
+            "[abc]", "[a-c]", "[0-9]", "[a-z0-9]", "[xyz_]"]
+QUANTS = ["?", "*", "+", "{2}", "{0,2}", "{1,3}", "{2,}"]
+RX_RAW = ["(", ")", "[", "]", "{", "}", "|", "*", "+", "?", "\\", "^", "$", ".", "a", "-", ",", "1", "3", "\\d",
+          "\\w", "\\s", "\\b", "\\1", "(?:", "(?=", "(?!", "(?P<x>", "(?<x>", "[^", "\\p{L}", "\\u00e9", "\\x41",
+          "{2,}", "{,3}", "{99999}", "{3,1}", "\x00", "é", "\U0001f600", "*?", "++", "[z-a]", "[]"]
+BAD_REGEXES = ["(", ")", "(a|b", "a{3,1}", "[z-a]", "\\", "*a", "a**", "[", "a{", "(?<name", "\\p{Foo}", "|", "()",
+               "a{99999}{99999}", "(" * 300 + ")" * 300, "(" * 3000 + ")" * 3000, "[" * 50, "\\1(a)", "a{,}"]
+EB_LITS = ["a", "b", "yes", "no", "x y", "0", "é", "-", "日", "ab"]
+EB_CLASSES = ["[a-c]", "[0-9]", "[xyz]"]
+EB_RAW = ["root", "::=", '"a"', '"', "|", "(", ")", "*", "+", "?", "[a-z]", "[^", "r1", "r9", "\n", " ", "{2}",
+          "{3,1}", "\\", "#", "=", "::", "(=", '""', "root ::= ", "[z-a]", "\\u00e9", "\x00"]
+BAD_GRAMMARS = ['x ::= "a"', "root ::= root", "root ::= r9", 'root ::= "a', "root ::= [z-a]", 'root ::= ("a"',
+                "root ::=", 'root ::= ""', 'root ::= (= "a") "a"', 'root ::= "a"{3,1}',
+                'root ::= "a"\nroot ::= "b"', "root ::= [^]", "root ::= (", "::=", 'root ::= r1\nr1 ::= root',
+                'root ::= "a" | root "b"', 'root ::= "a" (root)?', "root ::= " + "(" * 3000 + '"a"' + ")" * 3000,
+                'root ::= ("a"{0,1000}){0,1000}', "root ::= [\\u0000-\\U0010ffff]*", 'root ::= "\\"', "\x00"]
+# The end-of-sequence token's text ends no choice here: see test_a_guide_ending_in_the_eos_text_is_kept.
+CHOICE_TEXT = st.one_of(st.sampled_from(["", "a", "ab", "yes", "no", " ", "\n", '"', "\\", "é", "日本", "\U0001f600",
+                                         "\x00", "<|endoftext|>", "def", "x" * 300, "\\u0041", "'", "::=", "(a|b)"]),
+                        st.text(max_size=20))
+# Long choices: over the guide limit (65536 characters) or under it. Two long ones sharing a long
+# prefix take xgrammar seconds to compile (quadratic in the prefix: 10,000 characters, about 4 s),
+# so a list holds at most one, beside a pair sharing a 2,000-character prefix.
+LONG_CHOICES = st.one_of(st.integers(1000, 70000).map(lambda n: ["y" * n]),
+                         st.just(["z" * 2000 + "a", "z" * 2000 + "b"]))
+NONFINITE_JSON = [float("nan"), float("inf"), -1e308, 1e308, 2**63, -2**63 - 1, 0.5, -0.0]
+
+
+def safe_regexes() -> st.SearchStrategy:
+    def extend(inner):
+        return st.one_of(st.lists(inner, min_size=2, max_size=4).map("".join),
+                         st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + "|".join(xs) + ")"),
+                         st.tuples(inner, st.sampled_from(QUANTS)).map(lambda t: f"({t[0]}){t[1]}"))
+    return st.recursive(st.sampled_from(RX_ATOMS), extend, max_leaves=8)
+
+
+def hostile_regexes() -> st.SearchStrategy:
+    return st.one_of(st.sampled_from(BAD_REGEXES),
+                     st.lists(st.sampled_from(RX_RAW), min_size=1, max_size=12).map("".join),
+                     st.tuples(safe_regexes(), st.sampled_from(RX_RAW), safe_regexes()).map("".join),
+                     st.text(max_size=40))
+
+
+@st.composite
+def regex_guides(draw):
+    """(text, the same regex for Python when its language is known here, else None)."""
+    if draw(st.booleans()):
+        rx = draw(safe_regexes())
+        return rx, rx
+    return draw(hostile_regexes()), None
+
+
+def _ebnf_leaves(refs: dict) -> st.SearchStrategy:
+    """(EBNF, Python regex) pairs: string literals, classes, and references to the rules in refs."""
+    leaves = [st.sampled_from(EB_LITS).map(lambda s: (json.dumps(s, ensure_ascii=False), re.escape(s))),
+              st.sampled_from(EB_CLASSES).map(lambda c: (c, c))]
+    if refs:
+        leaves.append(st.sampled_from(sorted(refs.items())))
+    return st.one_of(leaves)
+
+
+def _ebnf_expr(refs: dict) -> st.SearchStrategy:
+    def extend(inner):
+        return st.one_of(
+            st.lists(inner, min_size=2, max_size=3).map(lambda xs: (" ".join(e for e, _ in xs),
+                                                                    "".join(p for _, p in xs))),
+            st.lists(inner, min_size=2, max_size=3).map(lambda xs: ("(" + " | ".join(e for e, _ in xs) + ")",
+                                                                    "(?:" + "|".join(p for _, p in xs) + ")")),
+            st.tuples(inner, st.sampled_from(["*", "+", "?", "{2}", "{1,3}"])).map(
+                lambda t: (f"({t[0][0]}){t[1]}", f"(?:{t[0][1]}){t[1]}")))
+    return st.recursive(_ebnf_leaves(refs), extend, max_leaves=6)
+
+
+@st.composite
+def grammar_guides(draw):
+    """(EBNF text, a Python regex of its language when known here, else None). Well-formed ones
+    have up to two helper rules, each used only by the rules above it (no recursion)."""
+    if draw(st.booleans()):
+        refs, rules = {}, []
+        for name in draw(st.sampled_from([[], ["r2"], ["r2", "r1"]])):
+            body, py = draw(_ebnf_expr(dict(refs)))
+            rules.append(f"{name} ::= {body}")
+            refs[name] = f"(?:{py})"
+        body, py = draw(_ebnf_expr(refs))
+        lines = [f"root ::= {body}", *reversed(rules)]
+        return "\n".join(lines), py
+    good, _ = draw(grammar_guides().filter(lambda g: g[1] is not None))
+    return draw(st.one_of(
+        st.sampled_from(BAD_GRAMMARS),
+        st.one_of(st.lists(st.sampled_from(EB_RAW), min_size=1, max_size=14).map(" ".join), st.text(max_size=60),
+                  st.tuples(st.integers(0, len(good)), st.sampled_from(EB_RAW)).map(
+                      lambda t: good[:t[0]] + t[1] + good[t[0]:]),
+                  st.integers(0, len(good)).map(lambda i: good[:i] + good[i + 1:])).filter(not_recursive))), None
+
+
+RULE = re.compile(r"(?m)^\s*([A-Za-z_][\w-]*)\s*::=")
+
+
+def not_recursive(text: str) -> bool:
+    """No rule of this EBNF text can reach itself (its names matched anywhere in the bodies, string
+    literals included: erring towards recursive). A recursive guide can force endless text, which
+    the draft worker's jump-forward follows without bound (see ENDLESS below), so the fuzz leaves
+    recursion to the curated lists until that is bounded."""
+    heads = list(RULE.finditer(text))
+    names = {m.group(1) for m in heads}
+    uses = {}
+    for m, nxt in zip(heads, heads[1:] + [None]):
+        body = text[m.end():nxt.start() if nxt else len(text)]
+        uses.setdefault(m.group(1), set()).update(set(re.findall(r"[A-Za-z_][\w-]*", body)) & names)
+    seen, stack = set(), []
+
+    def cyclic(name) -> bool:
+        if name in stack:
+            return True
+        if name in seen:
+            return False
+        seen.add(name)
+        stack.append(name)
+        found = any(cyclic(u) for u in uses.get(name, ()))
+        stack.pop()
+        return found
+    return not any(cyclic(n) for n in names)
+
+
+# JSON Schemas: the clean ones use keywords whose meaning jsonschema and xgrammar share.
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-1000, 1000), st.text(max_size=6),
+                         st.floats(allow_nan=False, allow_infinity=False, width=32))
+PROPERTY_NAMES = st.one_of(st.sampled_from(["a", "b", "name", "x y", "é", "", '"', "\\", "$ref"]), st.text(max_size=6))
+HOSTILE_NAMES = PROPERTY_NAMES.filter(lambda k: k != "$ref")     # a "$ref" could close a cycle: see ENDLESS
+
+
+def _clean_leaf() -> st.SearchStrategy:
+    bounds = st.integers(-50, 50)
+    def numeric(t, lo, hi):
+        s = {"type": t}
+        if lo is not None:
+            s["minimum"] = lo
+        if hi is not None:
+            s["maximum"] = max(hi, lo) if lo is not None else hi
+        return s
+    def string(lo, hi, pattern):
+        s = {"type": "string"}
+        if lo is not None:
+            s["minLength"] = lo
+        if hi is not None:
+            s["maxLength"] = max(hi, lo or 0)
+        if pattern is not None:          # xgrammar ignores lengths next to a pattern (with a warning)
+            s = {"type": "string", "pattern": f"^{pattern}$"}
+        return s
+    return st.one_of(
+        st.builds(numeric, st.sampled_from(["integer"]), st.none() | bounds, st.none() | bounds),
+        st.builds(string, st.none() | st.integers(0, 4), st.none() | st.integers(0, 6), st.none() | safe_regexes()),
+        st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "number"}, {}, True]),
+        st.lists(JSON_SCALARS.filter(lambda v: not isinstance(v, float)), min_size=1, max_size=4, unique_by=json.dumps)
+        .map(lambda vs: {"enum": vs}),
+        JSON_SCALARS.filter(lambda v: not isinstance(v, float)).map(lambda v: {"const": v}))
+
+
+def _clean_extend(inner) -> st.SearchStrategy:
+    def obj(props, required, extra):
+        return {"type": "object", "properties": props, "required": sorted(set(required) & set(props)),
+                "additionalProperties": extra}
+    return st.one_of(
+        st.builds(obj, st.dictionaries(PROPERTY_NAMES, inner, max_size=3), st.lists(PROPERTY_NAMES, max_size=3),
+                  st.just(False)),
+        st.builds(lambda items, lo, hi: {"type": "array", "items": items, "minItems": lo, "maxItems": max(lo, hi)},
+                  inner, st.integers(0, 2), st.integers(0, 3)),
+        st.lists(inner, min_size=1, max_size=3).map(lambda xs: {"anyOf": xs}))
+
+
+def clean_schemas() -> st.SearchStrategy:
+    return st.recursive(_clean_leaf(), _clean_extend, max_leaves=6)
+
+
+def _hostile_schema_values() -> st.SearchStrategy:
+    """A schema object that may be anything: wrong types for keywords, unknown keywords, refs to
+    nowhere, bounds that cannot hold, numbers past what any parser keeps."""
+    anything = st.recursive(JSON_SCALARS | st.sampled_from(NONFINITE_JSON),
+                            lambda v: st.lists(v, max_size=3) | st.dictionaries(HOSTILE_NAMES, v, max_size=3),
+                            max_leaves=5)
+    keywords = st.sampled_from(["type", "properties", "required", "items", "prefixItems", "enum", "const", "minimum",
+                                "maximum", "exclusiveMinimum", "multipleOf", "minLength", "maxLength", "pattern",
+                                "format", "minItems", "maxItems", "additionalProperties", "anyOf", "oneOf", "allOf",
+                                "not", "if", "then", "else", "$defs", "definitions", "$id", "$schema",
+                                "minProperties", "patternProperties", "unevaluatedProperties", "x-unknown",
+                                "dependentRequired", "contains", "uniqueItems", "propertyNames"])
+    values = st.one_of(anything, clean_schemas(), hostile_regexes(), st.sampled_from(
+        ["string", "integer", "number", "object", "array", "boolean", "null", "strange", ["string", "null"], [],
+         "#", "#/nowhere", "#/$defs/a", "#/definitions/nope", "http://example.com/x.json", "date", "email", "uuid",
+         -1, 0, 2**64, 1e308, float("nan"), float("inf")]))
+    def extend(inner):
+        return st.dictionaries(keywords, st.one_of(values, inner, st.lists(inner, max_size=2),
+                                                   st.dictionaries(HOSTILE_NAMES, inner, max_size=2)), max_size=4)
+    return st.recursive(st.dictionaries(keywords, values, max_size=4), extend, max_leaves=8)
+
+
+def _nested(depth: int, shape: str) -> str:
+    """Text nested `depth` deep: a schema of schemas, arrays, or an unknown keyword's objects."""
+    head, tail = {"items": ('{"type": "array", "items": ', "}"), "array": ("[", "]"), "unknown": ('{"x": ', "}"),
+                  "not": ('{"not": ', "}")}[shape]
+    return head * depth + "{}" + tail * depth
+
+
+# Depths up to here compile in well under a second; deeper schemas (about 600 levels and up)
+# take xgrammar tens of seconds each, so only shapes it never compiles (arrays) go deeper, as deep
+# as the gateway's JSON parser goes: past Python's recursion limit it fails with UNKNOWN (see
+# test_json_nested_past_the_parser_limit_is_invalid_argument); raise this to 5000 once it does not.
+CHEAP_DEPTH = 150
+PARSER_DEPTH = 5000
+
+
+@st.composite
+def schema_guides(draw):
+    """(JSON Schema text, the schema when it is a clean one whose outputs jsonschema can check, else None)."""
+    which = draw(st.integers(0, 5))
+    if which <= 1:
+        schema = draw(clean_schemas())
+        return json.dumps(schema, ensure_ascii=draw(st.booleans())), schema
+    if which == 2:
+        return json.dumps(draw(_hostile_schema_values())), None
+    if which == 3:            # $ref: to itself, to nowhere, to a definition that is there or not (no cycle
+        # that a value must go round: see ENDLESS)
+        target = draw(st.sampled_from(["#/$defs/a", "#/$defs/b", "#/definitions/a", "#/nowhere", "other.json",
+                                       "#/$defs/a/items", "", "#", "#/properties/a"]))
+        schema = {"$ref": target, "$defs": {"a": draw(clean_schemas())}}
+        if target not in ("#", "#/properties/a") and draw(st.booleans()):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return json.dumps(schema), None
+    if which == 4:            # deep nesting
+        shape = draw(st.sampled_from(["items", "unknown", "not", "array"]))
+        depth = draw(st.integers(1, PARSER_DEPTH if shape == "array" else CHEAP_DEPTH))
+        return _nested(depth, shape), None
+    return draw(st.one_of(   # no schema at all: not JSON, or JSON of the wrong type
+        st.text(max_size=40), st.sampled_from(["{", "nul", "NaN", "[1, 2]", '"string"', "123", "null", "true", "false",
+                                               "{}", "{} {}", '{"type": "string"', "\ufeff{}", " ", "{'a': 1}"]),
+        JSON_SCALARS.map(json.dumps))), None
+
+
+@st.composite
+def choice_guides(draw):
+    if draw(st.integers(0, 9)) == 0:      # many choices
+        n = draw(st.integers(100, 3000))
+        return [f"c{i}" for i in range(n)], None
+    choices = draw(st.lists(CHOICE_TEXT, max_size=8))
+    if draw(st.integers(0, 4)) == 0:
+        choices[draw(st.integers(0, len(choices))):0] = draw(LONG_CHOICES)
+    return choices, None
+
+
+# kind -> its strategy of (value, what the output is checked against)
+NATIVE_KINDS = {"json_object": st.tuples(st.booleans(), st.none()), "json_schema": schema_guides(),
+                "regex": regex_guides(), "choice": choice_guides(), "grammar": grammar_guides()}
+TGIS_KINDS = {**{k: v for k, v in NATIVE_KINDS.items() if k != "json_object"},
+              "format": st.tuples(st.one_of(st.sampled_from([0, 1]), st.integers(-3, 20)), st.none())}
+
+
+def set_guide(m, kind: str, value) -> None:
+    """Sets one kind of a tandem.v1.Guided or a fmaas DecodingParameters oneof."""
+    if kind == "choice":
+        m.choice.SetInParent()
+        m.choice.choices.extend(value)
+    else:
+        setattr(m, kind, value)
+
+
+def guided_of(path: str, payload: bytes):
+    """The guide a request holds once parsed, as (kind, value): the oneof's last field wins."""
+    req = METHODS[path][0].FromString(payload)
+    if path.startswith("/tandem"):
+        m, kind = req.guided, req.guided.WhichOneof("kind")
+    else:
+        m = req.params.decoding
+        kind = m.WhichOneof("guided")
+    if kind is None:
+        return None, None
+    value = list(m.choice.choices) if kind == "choice" else getattr(m, kind)
+    if kind == "json_object":
+        return ("json", None) if value else (None, None)
+    if kind == "format":
+        return ("json", None) if value == tgis_pb.DecodingParameters.JSON else (None, None)
+    return kind, value
+
+
+def described(kind: str | None, value) -> str:
+    """A guide, shortened: its kind, size and beginning."""
+    size = sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str) else 0
+    return f"{kind} ({len(value) if kind == 'choice' else ''} {size} chars) {repr(value)[:120]}"
+
+
+def _reply(path: str, replies: list[bytes]) -> tuple[str, bool]:
+    """(the output, whether it ended because its guide was complete: GUIDE_COMPLETE or EOS, which
+    a guide allows only there)."""
+    msgs = [REPLIES[path].FromString(r) for r in replies]
+    if path.startswith("/tandem"):
+        return "".join(m.text for m in msgs), msgs[-1].finish_reason in (pb.FINISH_REASON_GUIDE_COMPLETE,
+                                                                          pb.FINISH_REASON_EOS)
+    if path.endswith("/Generate"):
+        msgs = list(msgs[0].responses)
+    return "".join(m.text for m in msgs), msgs[-1].stop_reason == tgis_pb.EOS_TOKEN
+
+
+def check_guided_output(kind: str | None, value, known, text: str, complete: bool) -> str | None:
+    """Why an OK reply's output is not in its guide's language, or None. known: the Python regex
+    of a regex or grammar, or a clean JSON Schema (see the strategies above)."""
+    if kind == "choice":
+        cut_char = "\ufffd" in text and not any("\ufffd" in c for c in value)     # cut inside a character
+        if complete and text not in value:
+            return f"complete output {text!r} is none of the choices"
+        if not cut_char and not any(c.startswith(text) for c in value):
+            return f"output {text!r} begins none of the choices"
+    elif kind in ("regex", "grammar") and known is not None and complete and not re.fullmatch(known, text):
+        return f"complete output {text!r} does not match {known!r}"
+    elif kind in ("json", "json_schema") and complete:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return f"complete output {text!r} is not JSON"
+        if known is not None:
+            import jsonschema
+            try:
+                jsonschema.validate(parsed, known)
+            except jsonschema.ValidationError as e:
+                return f"complete output {text!r} does not validate: {e.message}"
+    return None
+
+
+@st.composite
+def guided_case(draw, face: str, combine: bool = False):
+    """(path, request bytes, metadata, {(kind, value): known}) on an otherwise valid request.
+    combine: the request's bytes are followed by a second guide of another kind, which protobuf
+    merges into the same oneof (the last one wins)."""
+    kinds = NATIVE_KINDS if face == "tandem" else TGIS_KINDS
+    prompt, n = draw(st.sampled_from(PROBE_PROMPTS)), draw(st.integers(1, 8))
+    guides = [(k, *draw(kinds[k])) for k in draw(st.lists(st.sampled_from(sorted(kinds)), min_size=1,
+                                                          max_size=2 if combine else 1, unique=True))]
+    known = {(k, json.dumps(v)): c for k, v, c in guides}
+    if face == "tandem":
+        path = draw(st.sampled_from(list(METHODS)[:2]))
+        req = build_request(prompt, max_new_tokens=n, temperature=draw(st.sampled_from([0.0, 0.8])), seed=7,
+                            method=draw(st.sampled_from(["model", "ngram", "none"])), k=draw(st.integers(1, 4)))
+        set_guide(req.guided, *guides[0][:2])
+        extra = [pb.GenerateRequest(guided=pb.Guided()) for _ in guides[1:]]
+        for e, (k, v, _) in zip(extra, guides[1:]):
+            set_guide(e.guided, k, v)
+        return path, b"".join(m.SerializeToString() for m in [req, *extra]), (), known
+    path = draw(st.sampled_from(list(METHODS)[2:4]))
+    method = draw(st.sampled_from([tgis_pb.GREEDY, tgis_pb.SAMPLE]))
+    params = []
+    for k, v, _ in guides:
+        p = tgis_pb.Parameters(method=method, stopping=tgis_pb.StoppingCriteria(max_new_tokens=n))
+        if method == tgis_pb.SAMPLE:
+            p.sampling.temperature, p.sampling.seed = 0.8, 7
+        set_guide(p.decoding, k, v)
+        params.append(p)
+    text = tgis_pb.GenerationRequest(text=prompt)
+    wrap = ((lambda p, first: tgis_pb.BatchedGenerationRequest(requests=[text] if first else [], params=p))
+            if path.endswith("/Generate") else
+            (lambda p, first: tgis_pb.SingleGenerationRequest(request=text if first else None, params=p)))
+    md = (("x-tandem-draft-method", draw(st.sampled_from(["model", "ngram", "none"]))),
+          ("x-tandem-num-speculative-tokens", str(draw(st.integers(1, 4)))))
+    return path, b"".join(wrap(p, i == 0).SerializeToString() for i, p in enumerate(params)), md, known
+
+
+def guided_requests(address: str, failures: list, outcomes: Counter, slowest: list) -> int:
+    """Runs on a thread with a blocking channel, while the event loop serves; returns requests
+    sent. outcomes counts (guide kind, status name) and (kind, "complete"); slowest gets the three
+    slowest requests, (seconds, request)."""
+    sent = 0
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 1 << 20)]) as ch:
+        def call(path: str, payload: bytes, metadata, known: dict) -> None:
+            nonlocal sent
+            sent += 1
+            streaming = METHODS[path][1]
+            rpc = (ch.unary_stream if streaming else ch.unary_unary)(path)
+            kind, value = guided_of(path, payload)
+            start = time.perf_counter()
+            try:
+                result = rpc(payload, timeout=60, metadata=metadata or None)
+                replies = list(result) if streaming else [result]
+            except grpc.RpcError as e:
+                outcomes[kind, e.code().name] += 1
+                if e.code() not in GUIDED_PROPER:
+                    failures.append((path, shown(path, payload), dict(metadata), e.code(), e.details()))
+                return
+            finally:
+                slowest[:] = sorted([*slowest, (time.perf_counter() - start, path, payload)], key=lambda x: x[0])[-3:]
+            outcomes[kind, "OK"] += 1
+            text, complete = _reply(path, replies)
+            outcomes[kind, "complete"] += complete
+            c = known.get((kind, json.dumps(value)), None) if kind not in ("json", "choice") else None
+            if (why := check_guided_output(kind, value, c, text, complete)) is not None:
+                failures.append((path, shown(path, payload), dict(metadata), why))
+
+        def fuzz(cases: st.SearchStrategy) -> None:
+            settings(max_examples=GUIDED_EXAMPLES, deadline=None, database=None,
+                     suppress_health_check=list(HealthCheck))(given(cases)(lambda case: call(*case)))()
+
+        fuzz(guided_case("tandem"))
+        fuzz(guided_case("tgis"))
+        fuzz(st.one_of(guided_case("tandem", combine=True), guided_case("tgis", combine=True)))
+    return sent
+
+
+WELL_FORMED_CHOICES = ["apple", "banana", "cherry pie", "durian"]
+WELL_FORMED_REGEX = "[a-z]{2,4}-[0-9]{2}"
+
+
+def well_formed_guided() -> list[tuple[str, pb.GenerateRequest]]:
+    """Guided greedy requests the fuzz runs beside: (what the output is checked against, request)."""
+    choice = build_request(GOOD_PROMPT, max_new_tokens=GOOD_TOKENS, method="model", k=3)
+    set_guide(choice.guided, "choice", WELL_FORMED_CHOICES)
+    regex = build_request(PROBE_PROMPTS[1], max_new_tokens=GOOD_TOKENS, method="ngram", k=3)
+    regex.guided.regex = WELL_FORMED_REGEX
+    unguided = good_request()
+    return [("choice", choice), ("regex", regex), ("none", unguided)]
+
+
+@pytest.mark.service
+async def test_hostile_guides_get_client_statuses_while_guided_streams_stay_right(fuzz_stack, expected_good):
+    stub = pb_grpc.GenerationServiceStub(fuzz_stack.channel)
+    wells = well_formed_guided()
+
+    async def run(req) -> tuple[str, int]:
+        msgs = [m async for m in stub.GenerateStream(req, timeout=60)]
+        return "".join(m.text for m in msgs), msgs[-1].finish_reason
+
+    before = [await run(req) for _, req in wells]     # each one's output before the fuzzing begins
+    (choice, choice_end), (rx, rx_end), (plain, _) = before
+    assert choice in WELL_FORMED_CHOICES and choice_end == pb.FINISH_REASON_GUIDE_COMPLETE, before
+    assert re.fullmatch(WELL_FORMED_REGEX, rx) and rx_end == pb.FINISH_REASON_GUIDE_COMPLETE, before
+    assert plain == expected_good
+    done, good, wrong = asyncio.Event(), 0, []
+
+    async def well_formed_streams():
+        nonlocal good
+        i = 0
+        while not done.is_set():
+            i += 1
+            (name, req), want = wells[i % len(wells)], before[i % len(wells)]
+            try:
+                got = await run(req)
+            except grpc.aio.AioRpcError as e:
+                wrong.append((name, e.code(), e.details()))
+                await asyncio.sleep(0.5)
+                continue
+            good += 1
+            if got != want:
+                wrong.append((name, got, want))
+
+    runner = asyncio.ensure_future(well_formed_streams())
+    failures: list = []
+    outcomes: Counter = Counter()
+    slowest: list = []
+    try:
+        sent = await asyncio.to_thread(guided_requests, fuzz_stack.gateway_address, failures, outcomes, slowest)
+    finally:
+        done.set()
+    await runner
+    print(f"\nguided fuzz: {sent} requests, {good} well-formed streams alongside; outcomes "
+          f"{dict(sorted(outcomes.items(), key=str))}; slowest "
+          f"{[(round(t, 2), path, described(*guided_of(path, payload))) for t, path, payload in slowest]}")
+    assert not failures, "\n".join(map(repr, failures[:5]))
+    assert not wrong, wrong[:3]
+    assert sent >= 3 * GUIDED_EXAMPLES and good >= len(wells)
+    for kind in ("json_schema", "regex", "choice", "grammar"):        # each kind both served and refused
+        assert GUIDED_EXAMPLES < 100 or min(outcomes[kind, "OK"], outcomes[kind, "INVALID_ARGUMENT"]) >= 5, outcomes
+    assert await wait_until_idle(fuzz_stack) == (0, 0), await live_sessions(fuzz_stack)
+
+
+# ---- what fuzzing the guides found, fixed: each of these failed before its fix ----
+
+@pytest.mark.service
+@pytest.mark.parametrize("face", ["tandem", "tgis"])
+async def test_json_nested_past_the_parser_limit_is_invalid_argument(module_stack, face):
+    for text in ("[" * 2000 + "]" * 2000, _nested(1500, "items")):
+        if face == "tandem":
+            req = build_request(GOOD_PROMPT, max_new_tokens=4, method="model", k=3)
+            req.guided.json_schema = text
+            calls = both_calls(module_stack, native=req)
+        else:
+            p = tgis_params()
+            p.decoding.json_schema = text
+            calls = both_calls(module_stack, tgis=p)
+        for code, details in await statuses(calls):
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "json_schema" in details, (code, details)
+
+
+EOS_TEXT_GUIDES = [("choice", ["<|endoftext|>"]), ("regex", r"(<\|endoftext\|>)+"), ("choice", ["ok", "<|endoftext|>"])]
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("kind,value", EOS_TEXT_GUIDES, ids=lambda x: str(x))
+async def test_a_guide_ending_in_the_eos_text_is_kept(module_stack, kind, value):
+    """A guide whose language holds the end-of-sequence token's text, on a prompt after which the
+    target's likeliest token is end-of-sequence: the output is in the language, or cut by
+    max_new_tokens."""
+    req = build_request(PROBE_PROMPTS[2], max_new_tokens=GOOD_TOKENS, method="ngram", k=3)
+    set_guide(req.guided, kind, value)
+    got = await module_stack.tandem.Generate(req, timeout=60)
+    if kind == "choice":
+        why = check_guided_output(kind, value, None, got.text, got.finish_reason != pb.FINISH_REASON_LENGTH)
+    else:
+        why = check_guided_output(kind, value, value, got.text, got.finish_reason != pb.FINISH_REASON_LENGTH)
+    assert why is None, (why, got.finish_reason)
+
+
+# Guides under which nothing may follow but more forced text, without end: xgrammar's
+# find_jump_forward_tokens (Matcher.forced) collects that text before cutting it to the limit, so it
+# allocates until std::bad_alloc, or until the draft worker is killed for memory.
+ENDLESS = [("grammar", 'root ::= "a" root'),
+           ("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})),
+           ("json_schema", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "minItems": 1,
+                                                                            "items": {"$ref": "#/$defs/a"}}}}))]
+FORCED_SCRIPT = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))   # bad_alloc here, not the machine's memory
+from transformers import AutoConfig, AutoTokenizer
+from tandem.speculation.grammar import Grammars, Guide
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+grammars = Grammars(tok, AutoConfig.from_pretrained(sys.argv[1]).vocab_size, [tok.eos_token_id])
+for kind, text in json.loads(sys.argv[2]):
+    print(len(grammars.matcher(Guide(kind, text)).forced(3)), flush=True)
+"""
+
+
+@pytest.mark.system
+def test_jump_forward_under_a_guide_forcing_endless_text_is_bounded(tiny_pair):
+    """In a subprocess with its address space capped: the unbounded walk must not reach this one's."""
+    import subprocess
+    import sys
+    ran = subprocess.run([sys.executable, "-c", FORCED_SCRIPT, str(tiny_pair[0]), json.dumps(ENDLESS)], check=False,
+                         capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert ran.returncode == 0, ran.stderr[-800:]
+    counts = [int(n) for n in ran.stdout.split()]
+    assert len(counts) == len(ENDLESS) and max(counts) <= 3, ran.stdout

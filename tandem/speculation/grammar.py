@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,8 @@ import xgrammar as xgr
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 _BITS = torch.arange(32, dtype=torch.int32)
+FORCED_BYTES = 16      # jump-forward looks this many bytes of forced text ahead per token it may propose
+FORCED_SCAN = 4096     # more allowed tokens than this: jump-forward does not look for a common start
 
 
 class GrammarError(ValueError):
@@ -62,11 +66,19 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], max_chars: int = 65536,
                  cache_size: int = 256) -> None:
         self.vocab_size, self.max_chars, self.cache_size = vocab_size, max_chars, cache_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        # Special tokens (end-of-sequence among them) spell no text: a guide whose text may read
+        # "<|endoftext|>" must not be ended by the token of that name, which prints nothing.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        special = {*tokenizer.all_special_ids, *info.special_token_ids, *stop_ids,
+                   *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)}
+        self.vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
+        self.info = xgr.TokenizerInfo(self.vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.stop_ids = list(self.info.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        # xgrammar's own cache would keep every guide ever compiled: this class keeps `cache_size`
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[Guide, xgr.CompiledGrammar | GrammarError] = OrderedDict()
-        self._busy: set[Guide] = set()          # guides being compiled
+        self._busy: dict[Guide, asyncio.Future] = {}      # guides being compiled, on this loop
         self._lock = threading.Lock()
 
     def compile(self, guide: Guide) -> xgr.CompiledGrammar:
@@ -105,29 +117,26 @@ class Grammars:
         return GrammarError(f"unknown constraint kind {guide.kind!r} (one of {', '.join(KINDS)})")
 
     def matcher(self, guide: Guide) -> Matcher:
-        return Matcher(self.compile(guide), self.vocab_size, self.stop_ids)
+        return self._matcher(self.compile(guide))
+
+    def _matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
+        return Matcher(compiled, self.vocab_size, self.stop_ids, self.vocab, self._encode)
 
     async def matcher_within(self, guide: Guide, seconds: float) -> Matcher:
         """A matcher, compiled on a thread of its own so that the event loop goes on; GrammarError
-        when compiling takes longer than `seconds` (the compile runs on and is cached when done; a
-        request for the same guide meanwhile is refused at once instead of compiling it again)."""
+        when compiling takes longer than `seconds`. Requests for a guide being compiled wait for
+        that compile rather than start another; one that timed out runs on and is cached when done."""
+        loop = asyncio.get_running_loop()
         with self._lock:
-            if guide in self._busy:
-                raise GrammarError(f"{guide.kind} took longer than {seconds:g} s to compile")
-            self._busy.add(guide)
-        job = asyncio.get_running_loop().run_in_executor(None, self._compile_freeing, guide)
+            job = self._busy.get(guide)
+            if job is None:
+                job = self._busy[guide] = loop.run_in_executor(None, self.compile, guide)
+                job.add_done_callback(lambda _: self._busy.pop(guide, None))
         try:
             compiled = await asyncio.wait_for(asyncio.shield(job), seconds)
         except asyncio.TimeoutError:
             raise GrammarError(f"{guide.kind} took longer than {seconds:g} s to compile") from None
-        return Matcher(compiled, self.vocab_size, self.stop_ids)
-
-    def _compile_freeing(self, guide: Guide) -> xgr.CompiledGrammar:
-        try:
-            return self.compile(guide)
-        finally:
-            with self._lock:
-                self._busy.discard(guide)
+        return self._matcher(compiled)
 
 
 def _message(e: Exception) -> str:
@@ -140,10 +149,12 @@ def _message(e: Exception) -> str:
 class Matcher:
     """The grammar state after the committed tokens. Not thread-safe: one stream uses it at a time."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_ids: list[int]) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_ids: list[int],
+                 vocab: list[bytes], encode: Callable[[str], list[int]]) -> None:
         self._m = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
+        self.vocab, self.encode = vocab, encode       # each token's text (b"" for special ones); text -> ids
         self._words = (vocab_size + 31) // 32
 
     def advance(self, tokens: list[int]) -> int:
@@ -175,11 +186,33 @@ class Matcher:
         return unpack(mask, self.vocab_size)
 
     def forced(self, limit: int) -> list[int]:
-        """Up to `limit` tokens of the text the grammar forces next (jump-forward); the state is
-        left as it was. Empty when the grammar allows a choice or has ended."""
+        """Up to `limit` tokens of the text the guide forces next (jump-forward), as the tokenizer
+        spells it (where the target would spell it otherwise, it rejects them: a proposal like any
+        other); the state is left as it was. Empty when the guide allows a choice or may end.
+
+        The text is found a piece at a time, bounded (a guide may force text without end, which
+        xgrammar's own jump-forward would build whole): the longest start that every allowed
+        token shares is forced, unless more than FORCED_SCAN tokens are allowed (then there is
+        almost never one)."""
         if limit <= 0:
             return []
-        return [int(t) for t in self._m.find_jump_forward_tokens()[:limit]]
+        walk, text = self._m.fork(), b""
+        mask = torch.zeros((1, self._words), dtype=torch.int32)
+        while len(text) < FORCED_BYTES * (limit + 1) and not walk.is_terminated():
+            walk.fill_next_token_bitmask(mask, 0)
+            allowed = unpack(mask, self.vocab_size)[0]
+            if bool(allowed[self.stop_ids].any()) or int(allowed.sum()) > FORCED_SCAN:
+                break
+            words = [self.vocab[i] for i in allowed.nonzero().flatten().tolist() if i < len(self.vocab)]
+            start = os.path.commonprefix([w for w in words if w]) if words else b""
+            if not start or not walk.accept_string(start):
+                break
+            text += start
+        spelled = text.decode("utf-8", errors="ignore")
+        tokens = self.encode(spelled)[:limit] if spelled else []
+        taken = self.advance(tokens)
+        self.rollback(taken)
+        return tokens[:taken]
 
     def done(self) -> bool:
         """Nothing but end-of-sequence may follow: the constrained output is complete."""
