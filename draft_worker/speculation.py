@@ -97,11 +97,10 @@ class Speculation:
         if guide is None or grammars is None:
             return None
         try:
-            matcher = await grammars.matcher_within(guide, self.drafting.compile_timeout)
+            return await grammars.matcher_within(guide, self.drafting.compile_timeout,
+                                                 self.prompt[len(self.prompt) - self.params.resumed:])
         except GrammarError:
             return None
-        delivered = self.prompt[len(self.prompt) - self.params.resumed:] if self.params.resumed else []
-        return matcher if matcher.advance(delivered) == len(delivered) else None
 
     def _room(self) -> int:
         """The most tokens a proposal may hold now."""
@@ -175,15 +174,17 @@ class Speculation:
         forced_accepted = min(draft.forced, verdict.accepted)
         metrics.observe_verdict(JUMP_FORWARD, forced, forced_accepted)
         metrics.observe_verdict(self.drafter.name, checked - forced, verdict.accepted - forced_accepted)
-        self.rounds, self.drafted, self.accepted = (self.rounds + 1, self.drafted + checked,
-                                                    self.accepted + verdict.accepted)
+        self.rounds, self.drafted, self.accepted = (self.rounds + 1, self.drafted + checked - forced,
+                                                    self.accepted + verdict.accepted - forced_accepted)
         if self.control is not None:
             self.control.observe(checked, len(verdict.token_ids), round_s, verdict.accepted, verdict.token_cost,
                                  plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
         self.tokens.extend(verdict.token_ids)
         if self.grammar is not None and not verdict.stop_reason:
             taken = self.grammar.advance(list(verdict.token_ids))
-            if taken != len(verdict.token_ids):       # cannot happen with the same guide: draft unmasked
+            if taken != len(verdict.token_ids):
+                # Cannot happen with the verify worker's guide. The n-gram cut and jump-forward stop;
+                # a model drafter's mask goes stale, which the verify worker's matcher corrects.
                 self.grammar.rollback(taken)
                 self.grammar = None
         return checked, forced, forced_accepted

@@ -67,10 +67,6 @@ class VerifyEngine:
         if len(prompt_ids) >= self.model.max_context:
             raise ProtocolError(f"prompt is {len(prompt_ids)} tokens; the model's context is "
                                 f"{self.model.max_context}")
-        if grammar is not None and params.resumed:         # a moved request: replay what was delivered
-            delivered = prompt_ids[len(prompt_ids) - params.resumed:]
-            if grammar.advance(delivered) != len(delivered):
-                raise ProtocolError("the output delivered before the move (resumed) does not match the guide")
         need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
             # Prompt logprobs need the logits of every prompt position: then nothing is reused.

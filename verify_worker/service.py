@@ -64,7 +64,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             params = wire.check_params(wire.params_from_proto(sampling))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        grammar = await self._grammar(context, params)
+        grammar = await self._grammar(context, params, prompt_ids)
         need = self.engine.capacity(len(prompt_ids), params)
 
         async def open_session(reuse: TargetSession | None) -> TargetSession:
@@ -104,14 +104,16 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.PREFILL_TOKENS.labels("cached").inc(cached)
         return session, cached, wire.logprobs_to_proto(reports)
 
-    async def _grammar(self, context, params) -> Matcher | None:
-        """The guide's matcher, compiled (or found in the cache) within the compile timeout."""
+    async def _grammar(self, context, params, prompt_ids: list[int]) -> Matcher | None:
+        """The guide's matcher after the prompt, compiled (or found in the cache) within the compile
+        timeout; a moved request's delivered tokens (the prompt's last `resumed`) are replayed."""
         if params.guide is None:
             return None
         if self.grammars is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verify worker serves no guided decoding")
         try:
-            return await self.grammars.matcher_within(params.guide, self.compile_timeout)
+            return await self.grammars.matcher_within(params.guide, self.compile_timeout,
+                                                      prompt_ids[len(prompt_ids) - params.resumed:])
         except GrammarError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -122,10 +122,12 @@ class Grammars:
     def _matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
         return Matcher(compiled, self.vocab_size, self.stop_ids, self.vocab, self._encode)
 
-    async def matcher_within(self, guide: Guide, seconds: float) -> Matcher:
-        """A matcher, compiled on a thread of its own so that the event loop goes on; GrammarError
-        when compiling takes longer than `seconds`. Requests for a guide being compiled wait for
-        that compile rather than start another; one that timed out runs on and is cached when done."""
+    async def matcher_within(self, guide: Guide, seconds: float, replay: list[int] = ()) -> Matcher:
+        """A matcher after `replay` (the output a moved request delivered before the move), compiled
+        on a thread of its own so that the event loop goes on; GrammarError when compiling takes
+        longer than `seconds`, or when the guide refuses `replay`. Requests for a guide being
+        compiled wait for that compile rather than start another; one that timed out runs on and is
+        cached when done."""
         loop = asyncio.get_running_loop()
         with self._lock:
             job = self._busy.get(guide)
@@ -136,7 +138,10 @@ class Grammars:
             compiled = await asyncio.wait_for(asyncio.shield(job), seconds)
         except asyncio.TimeoutError:
             raise GrammarError(f"{guide.kind} took longer than {seconds:g} s to compile") from None
-        return self._matcher(compiled)
+        matcher = self._matcher(compiled)
+        if matcher.advance(replay) != len(replay):
+            raise GrammarError("the output delivered before the move (resumed) does not match the guide")
+        return matcher
 
 
 def _message(e: Exception) -> str:
