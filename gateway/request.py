@@ -12,7 +12,7 @@ from tandem.speculation.grammar import Guide
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
 from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
-DRAFT_METHODS = ("model", "ngram", "none")
+DRAFT_METHODS = ("model", "ngram", "head", "none")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 

@@ -22,6 +22,8 @@ from tandem.service.server import channel as open_channel
 
 log = logging.getLogger(__name__)
 
+HEAD = "head"      # the draft method a verify worker serves itself, with its trained head
+
 
 class RoutingError(Exception):
     """No worker can take the request now (UNAVAILABLE); the message says why."""
@@ -31,7 +33,7 @@ class RoutingError(Exception):
 class Route:
     verify: str
     draft: str | None          # None: the verify worker decodes alone
-    method: str                # what runs: "model", "ngram" or "none"
+    method: str                # what runs: "model", "ngram", "head" or "none"
     kv: int = 0                # KV positions the session reserves on its verify worker
 
 
@@ -74,13 +76,27 @@ class Router:
                     need: Callable[[int], int] = no_kv) -> Route:
         """need(room): KV positions the session will reserve on a verify worker that keeps `room`
         positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths)."""
+        if method == HEAD:
+            # The head lives beside the target: a verify worker that has one serves the request
+            # alone, no draft worker involved.
+            try:
+                verify = await self.pick_verify(affinity, set(exclude), need, method=HEAD)
+                return Route(verify, None, HEAD, need(self.room(verify)))
+            except RoutingError:
+                verify = await self.pick_verify(affinity, set(exclude), need)
+                self._fell_back(method, verify, "no verify worker with a trained head is available")
+                return Route(verify, None, "none", need(self.room(verify)))
         verify = await self.pick_verify(affinity, set(exclude), need)
         draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
         if method != "none" and draft is None:
-            log.warning("no %s draft worker available; decoding with the target alone", method)
-            metrics.FALLBACKS.labels(method).inc()
-            telemetry.event("fallback", {"tandem.draft_method.requested": method, "tandem.verify_worker": verify})
+            self._fell_back(method, verify, f"no {method} draft worker available")
         return Route(verify, draft, method if draft else "none", need(self.room(verify)))
+
+    @staticmethod
+    def _fell_back(method: str, verify: str, why: str) -> None:
+        log.warning("%s; decoding with the target alone", why)
+        metrics.FALLBACKS.labels(method).inc()
+        telemetry.event("fallback", {"tandem.draft_method.requested": method, "tandem.verify_worker": verify})
 
     def hold(self, route: Route) -> None:
         """Counts a stream on its workers and its KV reservation until release()."""
@@ -95,7 +111,9 @@ class Router:
         """The proposal room a verify worker keeps per session."""
         return proposal_room()
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
+                          method: str = "") -> str:
+        """method: HEAD for a verify worker with a trained head loaded; "" for any."""
         raise NotImplementedError
 
     async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
@@ -119,7 +137,9 @@ class StaticRouter(Router):
         usable = [a for a in addresses if self._usable(a, exclude)]
         return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
+                          method: str = "") -> str:
+        # A static list says nothing of heads: a worker without one answers FAILED_PRECONDITION.
         if affinity in self.verify and self._usable(affinity, exclude):
             return affinity
         address = self._least_busy(self.verify, exclude)
@@ -157,8 +177,10 @@ class RedisRouter(Router):
     def room(self, verify: str) -> int:
         return self._rooms.get(verify, proposal_room())
 
-    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv) -> str:
-        workers = [w for w in await self._workers(VERIFY) if w.model == self.model]
+    async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
+                          method: str = "") -> str:
+        workers = [w for w in await self._workers(VERIFY) if w.model == self.model
+                   and (not method or method in w.methods)]
         self._rooms.update((w.address, w.kv_margin) for w in workers)
         usable = [w for w in workers if self._usable(w.address, exclude)]
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
@@ -171,7 +193,8 @@ class RedisRouter(Router):
                 return w.address
         best = self._least_loaded(usable)
         if best is None:
-            raise RoutingError(f"no verify worker for model {self.model!r} is registered in Redis"
+            raise RoutingError(f"no verify worker for model {self.model!r}{' with a head' if method else ''} "
+                               "is registered in Redis"
                                if not workers else
                                f"every verify worker for model {self.model!r} has failed for this request")
         return best.address

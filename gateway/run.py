@@ -103,7 +103,8 @@ class RequestRun:
         if route.draft is None:
             address = route.verify
             call = ipb_grpc.VerifyServiceStub(channel(route.verify)).Decode(
-                ipb.DecodeRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling),
+                ipb.DecodeRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling,
+                                  method=route.method if route.method != "none" else ""),
                 timeout=timeout, metadata=logs.outgoing_metadata())
         else:
             address = route.draft

@@ -16,7 +16,8 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _METHODS = {pb.DRAFT_METHOD_UNSPECIFIED: "", pb.DRAFT_METHOD_MODEL: "model",
-            pb.DRAFT_METHOD_NGRAM: "ngram", pb.DRAFT_METHOD_NONE: "none"}
+            pb.DRAFT_METHOD_NGRAM: "ngram", pb.DRAFT_METHOD_NONE: "none",
+            pb.DRAFT_METHOD_HEAD: "head"}
 _FINISH = {Finish.LENGTH: pb.FINISH_REASON_LENGTH, Finish.EOS: pb.FINISH_REASON_EOS,
            Finish.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE, Finish.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
            Finish.GUIDE: pb.FINISH_REASON_GUIDE_COMPLETE}

@@ -11,7 +11,8 @@ import grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-METHODS = {"model": pb.DRAFT_METHOD_MODEL, "ngram": pb.DRAFT_METHOD_NGRAM, "none": pb.DRAFT_METHOD_NONE}
+METHODS = {"model": pb.DRAFT_METHOD_MODEL, "ngram": pb.DRAFT_METHOD_NGRAM, "none": pb.DRAFT_METHOD_NONE,
+           "head": pb.DRAFT_METHOD_HEAD}
 
 
 def build_request(prompt: str, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,

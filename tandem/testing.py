@@ -76,3 +76,22 @@ def build_tiny_pair(root: Path, noise: float = 0.05) -> tuple[Path, Path]:
     target = build_tiny_model(Path(root) / "target", seed=0)
     draft = build_tiny_model(Path(root) / "draft", seed=1, noise_from=target, noise=noise)
     return target, draft
+
+
+def build_random_head(path: Path, target: Path, seed: int = 0, block_size: int = 4, markov_rank: int = 8) -> Path:
+    """Saves an untrained head (seeded random weights, Markov and confidence heads included) for
+    a tiny target into the head file `path`: it drafts badly, so speculation with it must still
+    give exactly the target's output."""
+    from transformers import AutoConfig
+
+    from tandem.head import checkpoint
+    from tandem.head.model import BlockHead, HeadConfig
+
+    config = AutoConfig.from_pretrained(target)
+    torch.manual_seed(seed)
+    head = BlockHead(HeadConfig.for_target(config, layers=1, block_size=block_size, markov_rank=markov_rank,
+                                           taps=[0, config.num_hidden_layers - 1], mask_token_id=1))
+    with torch.no_grad():
+        head.markov_head.markov_w2.weight.normal_(0, 0.5)    # zero at initialisation; exercise it here
+    checkpoint.save(head, path, target=str(target))
+    return Path(path)

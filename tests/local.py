@@ -50,3 +50,20 @@ def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> lis
         if len(out) >= params.max_new_tokens or len(prompt) + len(out) >= model.max_context:
             return out
         logits = model.forward([t], cache)
+
+
+def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: SamplingParams) -> tuple[list[int], int, int]:
+    """The verify worker's head rounds (verify_worker.headspec) in one process: the same session
+    steps and follow-ups, each step fed alone. Returns (generated tokens, drafted, accepted)."""
+    s = engine.open("local", prompt, params, reuse_prefix=False)
+    s.head = spec.open(s)
+    for piece in engine.prefill_chunks(s, 1 << 30):
+        spec.prefill_then(s, s.head, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    spec.draft(s, s.head)
+    drafted = accepted = 0
+    while not s.stop_reason:
+        step, proposed = spec.step(s, s.head)
+        v = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+        drafted += len(proposed)
+        accepted += v.accepted
+    return s.tokens[len(prompt):], drafted, accepted

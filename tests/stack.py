@@ -33,7 +33,9 @@ from tandem.speculation.grammar import Grammars
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
 from tandem.v1 import internal_pb2_grpc as internal_grpc
+from tandem.head.checkpoint import load_drafter
 from verify_worker.engine import VerifyEngine
+from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import SessionKeeper
 from verify_worker.service import VerifyServicer
 
@@ -100,14 +102,18 @@ def grammars_for(folder: Path | str, model: CausalLM) -> Grammars:
 
 
 async def start_stack(target: Path | str, draft: Path | str, limits: Limits | None = None, guard=None,
-                      max_message_bytes: int = MAX_MESSAGE_BYTES) -> InProcessStack:
-    """guard, max_message_bytes: the gateway's (gateway.guard.ClientGuard, --max-message-bytes)."""
+                      max_message_bytes: int = MAX_MESSAGE_BYTES, head: Path | str | None = None) -> InProcessStack:
+    """guard, max_message_bytes: the gateway's (gateway.guard.ClientGuard, --max-message-bytes).
+    head: a head file the verify worker drafts with for draft method "head" (its --head)."""
     limits = limits or Limits()
     metrics.register(*metrics.SERVICES)       # all three services share this process's registry
     target_model, draft_model = CausalLM(str(target)), CausalLM(str(draft))
     v_thread, d_thread = InferenceThread("v"), InferenceThread("d")
-    verify = VerifyServicer(VerifyEngine(target_model), Batcher(target_model, v_thread),
-                            SessionKeeper(target_model.pool.slots), grammars=grammars_for(target, target_model))
+    engine = VerifyEngine(target_model)
+    spec = HeadSpeculation(load_drafter(str(head), target_model, str(target)), engine) if head else None
+    verify = VerifyServicer(engine, Batcher(target_model, v_thread, taps=spec.taps if spec else ()),
+                            SessionKeeper(target_model.pool.slots), grammars=grammars_for(target, target_model),
+                            head=spec)
     v_server, v_addr = await _serve(lambda s: internal_grpc.add_VerifyServiceServicer_to_server(verify, s))
     draft_servicer = DraftServicer({"ngram": NgramDrafter(), "model": ModelDrafter(draft_model)},
                                    draft_model.eos_ids, draft_model.vocab_size, d_thread,

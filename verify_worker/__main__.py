@@ -27,7 +27,10 @@ from tandem.service.config import (
 from tandem.service.server import service_from_args, setup_observability
 from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
+from tandem.head.checkpoint import HeadFileError, load_drafter
 from verify_worker.engine import VerifyEngine
+from verify_worker.headspec import METHOD as HEAD
+from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import SessionKeeper
 from verify_worker.service import VerifyServicer
 
@@ -50,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--share-prefixes", default=True, type=bool,
              help="a new session copies the KV of the longest prompt prefix (16+ tokens) another live or "
                   "kept session holds, instead of computing it")
+    add_flag(parser, "--head", default="",
+             help="a trained head to draft with beside the target (draft method 'head'): a head file, a "
+                  "DeepSpec checkpoint folder, or 'shipped' for the one shipped for --model; empty: none")
     add_guide_flags(parser)
     add_worker_flags(parser)
     return parser.parse_args(argv)
@@ -77,16 +83,23 @@ async def main(args: argparse.Namespace) -> None:
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     model = engine.model
+    head = None
+    if args.head:
+        try:
+            head = HeadSpeculation(load_drafter(args.head, model, args.model), engine)
+        except HeadFileError as e:
+            raise SystemExit(f"--head: {e}") from None
+        metrics.declare_methods([HEAD])
     grammars = Grammars(load_tokenizer(args.model), model.vocab_size, model.eos_ids, max_chars=args.max_guide_chars)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)
-    batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens)
+    batcher = Batcher(engine.model, inference, max_tokens=args.max_batch_tokens, taps=head.taps if head else ())
     batcher.observers.append(lambda sessions, tokens, prefill, seconds: (
         metrics.BATCH_SESSIONS.observe(sessions), metrics.BATCH_TOKENS.observe(tokens + prefill),
         metrics.BUSY_SECONDS.inc(seconds)))
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
     servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk,
                               share_prefixes=args.share_prefixes, grammars=grammars,
-                              compile_timeout=args.guide_compile_timeout)
+                              compile_timeout=args.guide_compile_timeout, head=head)
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()
@@ -94,7 +107,8 @@ async def main(args: argparse.Namespace) -> None:
     def describe() -> WorkerInfo:
         return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
                           load=len(servicer.sessions), kv_free=servicer.keeper.free(),
-                          kv_margin=proposal_room(engine.max_proposal), started_at=started)
+                          kv_margin=proposal_room(engine.max_proposal), started_at=started,
+                          methods=[HEAD] if head else [])
 
     heartbeat = heartbeat_for(args, describe)
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,

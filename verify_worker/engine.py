@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ class TargetSession:
     generator: torch.Generator | None = None
     stop_reason: Finish = Finish.NONE
     grammar: Matcher | None = None     # the guide's state after `tokens` (structured output)
+    head: Any = None                   # its trained head's state (verify_worker.headspec.HeadSession)
 
     @property
     def generated(self) -> int:
@@ -57,10 +59,12 @@ class VerifyEngine:
         return kv_need(prompt_len, params.max_new_tokens, proposal_room(self.max_proposal), self.model.max_context)
 
     def open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-             reuse: TargetSession | None = None, grammar: Matcher | None = None) -> TargetSession:
+             reuse: TargetSession | None = None, grammar: Matcher | None = None,
+             reuse_prefix: bool = True) -> TargetSession:
         """A session with its KV reserved; `prefill_chunks` says what to feed before the first
         proposal. `reuse`, an earlier turn of the same session, lends its cache: only the positions
-        after the prefix it shares with prompt_ids are computed. Raises KVPoolFull."""
+        after the prefix it shares with prompt_ids are computed (none without `reuse_prefix`: a
+        trained head needs the hidden states of every position). Raises KVPoolFull."""
         self._check_ids(prompt_ids, "prompt token")
         if not prompt_ids:
             raise ProtocolError("prompt_ids must not be empty")
@@ -70,7 +74,7 @@ class VerifyEngine:
         need = self.capacity(len(prompt_ids), params)
         if reuse is not None:
             # Prompt logprobs need the logits of every prompt position: then nothing is reused.
-            keep = 0 if params.prompt_logprobs else common_prefix(reuse.tokens, prompt_ids)
+            keep = 0 if params.prompt_logprobs or not reuse_prefix else common_prefix(reuse.tokens, prompt_ids)
             reuse.cache.crop(min(keep, len(prompt_ids) - 1))
             reuse.cache.reserve(need, spare=False)     # exactly what the budget reserved
             cache = reuse.cache

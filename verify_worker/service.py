@@ -14,6 +14,8 @@ from tandem.speculation.grammar import GrammarError, Grammars, Matcher
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
+from verify_worker.headspec import METHOD as HEAD
+from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice
 
@@ -23,8 +25,9 @@ log = logging.getLogger(__name__)
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine, batcher: Batcher, keeper: SessionKeeper | None = None,
                  prefill_chunk: int = 256, share_prefixes: bool = True, grammars: Grammars | None = None,
-                 compile_timeout: float = 10.0) -> None:
+                 compile_timeout: float = 10.0, head: HeadSpeculation | None = None) -> None:
         self.engine = engine
+        self.head = head                       # None: draft method "head" is refused
         self.grammars = grammars               # None: guided requests are refused
         self.compile_timeout = compile_timeout
         self.share_prefixes = share_prefixes   # copy a prompt prefix's KV from another session
@@ -54,11 +57,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.gauge_from(metrics.KV_POOL_BYTES, lambda: self.engine.model.pool.nbytes)
         metrics.gauge_from(metrics.TOKEN_COST, lambda: self.price.value)
 
-    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling
+    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling, head: bool = False
                     ) -> tuple[TargetSession, int, list]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
         tokens whose KV came from its kept earlier turn, and the prompt tokens' reports (protobuf)
-        when the session asks for them."""
+        when the session asks for them. With `head`, the trained head reads every prompt position's
+        states: no KV is reused or shared, and the prefill hands them to it."""
         logs.session_id.set(session_id)
         try:
             params = wire.check_params(wire.params_from_proto(sampling))
@@ -72,7 +76,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 return self.engine.open(session_id, prompt_ids, params, grammar=grammar)
             # Between passes: a session whose stream broke mid-round may still be in a pass.
             return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse,
-                                                     grammar)
+                                                     grammar, not head)
 
         try:
             session = await self.keeper.place(id(context), session_id, need, open_session,
@@ -83,7 +87,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         except KVBudgetExceeded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         reports = []
-        if self.share_prefixes and not params.prompt_logprobs:     # prompt logprobs need every row
+        if head:
+            session.head = self.head.open(session)
+        if self.share_prefixes and not params.prompt_logprobs and not head:   # prompt logprobs need every row
             donors = [*self.sessions.values(), *self.keeper.idle.values()]
             await self.batcher.between_passes(self.engine.share_prefix, session, donors)
         cached = session.cache.length
@@ -92,8 +98,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
                 report = partial(self.engine.prompt_report, session, start=session.cache.length)
+                if head:
+                    report = self.head.prefill_then(session, session.head, report)
                 ran = await self.batcher.forward(Step(session.cache, chunk, self.engine.prefill_rows(session),
-                                                      report, prefill=True))
+                                                      report, prefill=True, taps=head))
                 seconds += ran.seconds
                 reports += ran.value
             if span is not None:
@@ -182,18 +190,37 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             self._close(context)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        head = request.method == HEAD
+        if request.method not in ("", "none", HEAD):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"method {request.method!r} is not one a verify worker serves (none, head)")
+        if head and self.head is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verify worker has no trained head loaded")
         try:
             session, cached, prompt_reports = await self._open(context, request.session_id,
-                                                               list(request.prompt_ids), request.sampling)
+                                                               list(request.prompt_ids), request.sampling, head)
+            if head:
+                await self.batcher.between_passes(self.head.draft, session, session.head)
             first = True
             while True:
-                with telemetry.span("decode round") as span:
-                    ran = await self._verify(context, session, [], (), returns=True)
+                with telemetry.span("head round" if head else "decode round") as span:
+                    if head:
+                        step, proposed = self.head.step(session, session.head)
+                        ran = await self._round(context, step)
+                        checked = ran.fed - 1
+                    else:
+                        ran, checked = await self._verify(context, session, [], (), returns=True), 0
                     verdict = ran.value
                     if span is not None:
-                        span.set_attributes(round_attributes(0, 0, verdict.token_ids, ran.batch_size, ran.seconds))
+                        span.set_attributes(round_attributes(checked, verdict.accepted, verdict.token_ids,
+                                                             ran.batch_size, ran.seconds))
+                        if head:
+                            span.set_attribute("tandem.propose_seconds", self.head.draft_ms / 1000)
                 metrics.VERIFY_SECONDS.observe(ran.seconds)
+                if head:
+                    metrics.observe_verdict(HEAD, checked, verdict.accepted)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
+                                    draft_tokens=checked, accepted_tokens=verdict.accepted,
                                     cached_tokens=cached if first else 0,
                                     logprobs=wire.logprobs_to_proto(verdict.logprobs or ()),
                                     prompt_logprobs=prompt_reports if first else ())
@@ -218,7 +245,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         judge = partial(self.engine.judge_fed, session, tokens, draft_probs)
         try:
             feed = self.engine.verify_input(session, tokens)
-            ran = await self.batcher.forward(Step(session.cache, feed, None, judge, least=1, returns=returns))
+        except ProtocolError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return await self._round(context, Step(session.cache, feed, None, judge, least=1, returns=returns))
+
+    async def _round(self, context, step: Step) -> Ran:
+        """A round's step in the next batch; its bad input aborts this stream only (INVALID_ARGUMENT)."""
+        try:
+            ran = await self.batcher.forward(step)
             self.price.observe_output(len(ran.value.token_ids))
             return ran
         except (ProtocolError, ValueError) as e:

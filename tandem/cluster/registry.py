@@ -30,7 +30,8 @@ class WorkerInfo:
     address: str                     # host:port the gateway dials
     pool: str                        # DRAFT or VERIFY
     model: str                       # verify: its target model; draft: the target it drafts for
-    methods: list[str] = field(default_factory=list)   # draft methods served (draft pool only)
+    methods: list[str] = field(default_factory=list)   # draft methods served: a draft worker's, or
+                                                       # "head" on a verify worker with a trained head
     capacity: int = 0                # KV budget in tokens (0 = not budgeted)
     load: int = 0                    # sessions being served right now
     kv_free: int = 0                 # budget tokens not held by live sessions

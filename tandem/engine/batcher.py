@@ -49,7 +49,9 @@ class Step:
         queued round whole (a proposal to verify: `then` gets the rows of what was fed, `Ran.fed`
         says how many). None: never cut.
     returns: the session's next step follows this one at once (decoding on in this process), so
-        the next pass waits for it; otherwise the wait depends on how long it was away before."""
+        the next pass waits for it; otherwise the wait depends on how long it was away before.
+    taps: `then` gets (rows, features) with the batcher's tapped hidden states of every token fed
+        (see CausalLM.forward_batch), for a trained head beside the target."""
     cache: SessionCache
     tokens: list[int]
     last: int | None = None
@@ -57,6 +59,7 @@ class Step:
     prefill: bool = False
     least: int | None = None
     returns: bool = False
+    taps: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)      # the batcher cuts its own copy, never the caller's list
@@ -77,8 +80,9 @@ def _cut(step: Step, cap: int | None) -> int:
 
 class Batcher:
     def __init__(self, model: CausalLM, inference: InferenceThread, max_tokens: int = 512,
-                 gather: float = 0.3, max_wait: float = 0.25) -> None:
+                 gather: float = 0.3, max_wait: float = 0.25, taps: tuple[int, ...] = ()) -> None:
         self.model, self.inference, self.max_tokens = model, inference, max_tokens
+        self.taps = taps        # hidden states a pass returns to the steps that ask (Step.taps)
         self.gather, self.max_wait = gather, max_wait
         self._last: list[Step] = []                  # the rounds of the last pass
         self._last_seconds = 0.0
@@ -236,8 +240,12 @@ class Batcher:
             except (ValueError, KVPoolFull) as e:
                 outcomes[i] = e
         if ready:
-            logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last) for i in ready])
+            tapped = self.taps and any(steps[i].taps for i in ready)
+            logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last) for i in ready],
+                                              self.taps if tapped else ())
             for i, rows in zip(ready, logits):
+                if tapped and not steps[i].taps:
+                    rows = rows[0]
                 then = steps[i].then
                 try:
                     outcomes[i] = then(rows) if then is not None else rows

@@ -90,16 +90,24 @@ class CausalLM:
             raise ValueError(f"cannot feed {len(token_ids)} tokens after {cache.length} cached ones "
                              f"(context {self.max_context})")
 
-    def forward(self, token_ids: list[int], cache: SessionCache, last: int | None = None) -> torch.Tensor:
+    def forward(self, token_ids: list[int], cache: SessionCache, last: int | None = None,
+                taps: tuple[int, ...] = ()):
         """Feeds token_ids after the cached ones; returns the logits of the last `last` of them (all
         when None) as [last, V] on the CPU, float32. Asking only for what is used skips most of the
-        output layer on a prefill, which is a large share of its cost with a 150k vocabulary."""
-        return self.forward_batch([(cache, token_ids, last)])[0]
+        output layer on a prefill, which is a large share of its cost with a 150k vocabulary.
+        With `taps`, returns (logits, features) as forward_batch does."""
+        return self.forward_batch([(cache, token_ids, last)], taps)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: list[tuple[SessionCache, list[int], int | None]]) -> list[torch.Tensor]:
+    def forward_batch(self, items: list[tuple[SessionCache, list[int], int | None]],
+                      taps: tuple[int, ...] = ()) -> list:
         """One forward pass over the new tokens of many sessions: (cache, token_ids, last) each, as
         in `forward`; returns each item's logits. A session may appear once per batch.
+
+        taps: indices into the model's hidden states (0 the embeddings, i + 1 the output of layer
+        i, num_hidden_layers the final normed state); then each item's result is (logits,
+        features [len(token_ids), len(taps) * hidden]) with those states concatenated, float32,
+        for every token fed (a trained head reads them, tandem.head).
 
         When a longer input runs faster (see `calibrate`), the batch is padded at the end with
         copies of the last token, appended to the last session: causal attention keeps the real
@@ -125,13 +133,17 @@ class CausalLM:
         batch = ForwardBatch.build(self.pool, parts)
         out = self.model(input_ids=torch.tensor([ids], device=self.device),
                          position_ids=torch.tensor([positions], device=self.device), use_cache=False,
-                         logits_to_keep=torch.tensor(keep, device=self.device), tandem_batch=batch)
+                         logits_to_keep=torch.tensor(keep, device=self.device), tandem_batch=batch,
+                         output_hidden_states=bool(taps))
         logits = out.logits[0].float().cpu()
-        results, at = [], 0
+        features = torch.cat([out.hidden_states[t][0] for t in taps], -1).float().cpu() if taps else None
+        results, at, fed = [], 0, 0
         for cache, token_ids, last in items:
             kept = len(token_ids) if last is None else min(last, len(token_ids))
-            results.append(logits[at:at + kept])
+            rows = logits[at:at + kept]
+            results.append(rows if features is None else (rows, features[fed:fed + len(token_ids)]))
             at += kept
+            fed += len(token_ids)                    # padding follows the last item only
             cache.length += len(token_ids)           # padded positions are never counted
         return results
 

@@ -1,0 +1,1 @@
+"""A trained block drafter beside the target (DSpark-style): model, drafting, file format, prompts."""

@@ -1,0 +1,143 @@
+"""The head's file format, and loading a DeepSpec-style checkpoint with the same code.
+
+Tandem's own format is one safetensors file:
+  metadata  "format": "tandem-head/1"; "config": the HeadConfig as JSON; "target": the target model
+            it was trained for; "trained": a JSON summary of how (command, tokens, steps)
+  tensors   the head's parameters under DeepSpec's names (fc.weight, hidden_norm.weight,
+            layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+            layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
+            norm.weight, markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [V, r],
+            confidence_head.proj.weight, confidence_head.proj.bias), stored as bfloat16 and run as
+            float32. The target's embedding table and output layer are never stored.
+
+A DeepSpec checkpoint is a folder with config.json and model.safetensors (or
+pytorch_model.safetensors) under the same parameter names, possibly prefixed "model.", and
+holding embed_tokens / lm_head copies, which are dropped: the target's own are used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tandem.head.model import BlockHead, HeadConfig
+
+FORMAT = "tandem-head/1"
+SHARED = ("embed_tokens.", "lm_head.")      # the target's, never the head's own
+
+
+class HeadFileError(ValueError):
+    """A head file that cannot serve: unreadable, or made for another target."""
+
+
+def save(head: BlockHead, path: Path | str, target: str = "", trained: dict | None = None) -> str:
+    """Writes the head; returns the file's sha256."""
+    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in head.state_dict().items()}
+    metadata = {"format": FORMAT, "config": json.dumps(head.config.to_dict()), "target": target,
+                "trained": json.dumps(trained or {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+    return sha256(path)
+
+
+def sha256(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load(path: Path | str) -> tuple[BlockHead, dict]:
+    """The head (float32, eval mode) and its metadata, from a Tandem file or a DeepSpec folder."""
+    path = Path(path)
+    if path.is_dir():
+        return _load_deepspec(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:        # safetensors raises its own types for a bad file
+        raise HeadFileError(f"cannot read head file {path.name}: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise HeadFileError(f"{path.name} is not a Tandem head file (format {meta.get('format')!r})")
+    config = HeadConfig.from_dict(json.loads(meta["config"]))
+    return _build(config, tensors, path.name), {"target": meta.get("target", ""),
+                                                "trained": json.loads(meta.get("trained") or "{}")}
+
+
+def _load_deepspec(folder: Path) -> tuple[BlockHead, dict]:
+    config_file = folder / "config.json"
+    weights = next((folder / n for n in ("model.safetensors", "pytorch_model.safetensors")
+                    if (folder / n).exists()), None)
+    if not config_file.exists() or weights is None:
+        raise HeadFileError(f"{folder.name}: a DeepSpec checkpoint needs config.json and model.safetensors")
+    raw = json.loads(config_file.read_text())
+    if raw.get("num_target_layers") is None and raw.get("target_layer_ids"):
+        raw["num_target_layers"] = 0
+    config = HeadConfig.from_dict(raw)
+    tensors = {}
+    with safe_open(str(weights), "pt") as f:
+        for name in f.keys():
+            own = name.removeprefix("model.")
+            if not own.startswith(SHARED):
+                tensors[own] = f.get_tensor(name)
+    return _build(config, tensors, folder.name), {"target": raw.get("target_model_name_or_path", ""),
+                                                  "trained": {}}
+
+
+def _build(config: HeadConfig, tensors: dict[str, torch.Tensor], name: str) -> BlockHead:
+    head = BlockHead(config)
+    want = head.state_dict()
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise HeadFileError(f"{name}: parameters do not match the configuration "
+                            f"(missing {missing[:4]}, unexpected {extra[:4]})")
+    for key, t in tensors.items():
+        if tuple(t.shape) != tuple(want[key].shape):
+            raise HeadFileError(f"{name}: {key} has shape {tuple(t.shape)}, expected {tuple(want[key].shape)}")
+    head.load_state_dict({k: t.float() for k, t in tensors.items()})
+    return head.float().eval()
+
+
+def check_target(config: HeadConfig, target_config) -> None:
+    """Raises HeadFileError unless the head fits the target: same width and vocabulary, taps inside."""
+    if config.hidden_size != target_config.hidden_size:
+        raise HeadFileError(f"head hidden_size {config.hidden_size} != target's {target_config.hidden_size}")
+    if config.vocab_size != target_config.vocab_size:
+        raise HeadFileError(f"head vocab_size {config.vocab_size} != target's {target_config.vocab_size}")
+    layers = target_config.num_hidden_layers
+    if max(config.target_layer_ids) >= layers or min(config.target_layer_ids) < -1:
+        raise HeadFileError(f"head taps layers {config.target_layer_ids}; the target has {layers}")
+
+
+SHIPPED = Path(__file__).parent / "trained"      # heads shipped with Tandem, one per target preset
+
+
+def shipped(target: str) -> Path:
+    """The head shipped for a target preset; HeadFileError when there is none."""
+    path = SHIPPED / f"{target}.safetensors"
+    if not path.exists():
+        have = sorted(p.stem for p in SHIPPED.glob("*.safetensors"))
+        raise HeadFileError(f"no head is shipped for {target!r} (shipped: {', '.join(have) or 'none'})")
+    return path
+
+
+def load_drafter(spec: str, model, target: str):
+    """The HeadDrafter for a serving target (tandem.engine.modeling.CausalLM): `spec` is a head
+    file, a DeepSpec folder or 'shipped'. The head's decoder layers run on packed weights where
+    the target's do (tandem.engine.gemm)."""
+    from tandem.engine import gemm
+    from tandem.head.drafter import HeadDrafter
+    head, _ = load(shipped(target) if spec == "shipped" else spec)
+    check_target(head.config, model.model.config)
+    if model.packed:
+        gemm.pack_linears(head.layers)
+    return HeadDrafter(head, model.model.get_input_embeddings(), model.model.get_output_embeddings())

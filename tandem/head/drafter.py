@@ -1,0 +1,151 @@
+"""Drafting with a trained head beside its target, one session at a time.
+
+A session's `HeadContext` holds each head layer's keys and values for every target position the
+head has been told about: the verify pass that judges a proposal also yields the tapped hidden
+states of the positions it fed, and those of the committed ones extend the context. So the
+context always covers the committed tokens but the last (the anchor, not yet fed to the target).
+
+A draft is one forward pass of the head over the block (anchor + mask tokens), then the block's
+positions are decided left to right: the base logits of each position (one product with the
+target's output layer for the whole block) are cut to their `candidates` likeliest tokens, the
+Markov head adds its bias from the token drafted before, and the token is the argmax (greedy) or a
+sample at the request's temperature. q, the distribution a position was sampled from, is exactly
+that softmax over the candidates, which is what rejection sampling needs to stay lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.head.model import BlockHead
+
+# Candidates per block position before the Markov correction. The correction is a rank-r
+# product per candidate, so fewer candidates make drafting cheaper; any cut stays lossless.
+CANDIDATES = 32
+
+
+class HeadContext:
+    """One session's head keys/values by layer, [kv_heads, capacity, head_dim] each, grown by doubling."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
+        self.k = [torch.zeros(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.v = [torch.zeros(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.length = 0
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = kv[0][0].shape[1]
+        if self.length + n > self.k[0].shape[1]:
+            grow = max(self.length + n, 2 * self.k[0].shape[1])
+            self.k = [torch.cat([t, t.new_zeros(t.shape[0], grow - t.shape[1], t.shape[2])], 1) for t in self.k]
+            self.v = [torch.cat([t, t.new_zeros(t.shape[0], grow - t.shape[1], t.shape[2])], 1) for t in self.v]
+        for i, (k, v) in enumerate(kv):
+            self.k[i][:, self.length:self.length + n] = k
+            self.v[i][:, self.length:self.length + n] = v
+        self.length += n
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, :self.length], v[:, :self.length]) for k, v in zip(self.k, self.v)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+@dataclass
+class HeadDraft:
+    tokens: list[int]
+    confidence: list[float]        # per position: predicted probability the target accepts it
+    support: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # q per position, when sampled
+
+
+class HeadDrafter:
+    """A BlockHead bound to its target's embedding table and output layer (transformers modules)."""
+
+    def __init__(self, head: BlockHead, embed: torch.nn.Module, lm_head: torch.nn.Module,
+                 candidates: int = CANDIDATES) -> None:
+        self.head = head.eval()
+        self.embed, self.lm_head = embed, lm_head
+        self.candidates = candidates
+        self.config = head.config
+
+    @property
+    def taps(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def features(self, hidden_states) -> torch.Tensor:
+        """The tapped features [n, taps * hidden] of one sequence from a transformers forward's
+        hidden_states (index 0 the embeddings, i + 1 the output of layer i), batch row 0."""
+        return torch.cat([hidden_states[i + 1][0] for i in self.taps], -1).float()
+
+    def new_context(self, capacity: int = 256) -> HeadContext:
+        c = self.config
+        return HeadContext(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity)
+
+    @torch.inference_mode()
+    def extend(self, ctx: HeadContext, features: torch.Tensor) -> None:
+        """Adds the next positions' tapped features [n, taps * hidden] to the context."""
+        if features.shape[0] == 0:
+            return
+        positions = torch.arange(ctx.length, ctx.length + features.shape[0])
+        ctx.append(self.head.context_kv(self.head.context(features), positions))
+
+    @torch.inference_mode()
+    def draft(self, ctx: HeadContext, anchor: int, k: int, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> HeadDraft:
+        """Up to k (at most block_size) tokens after `anchor`, the last committed token, whose
+        position is ctx.length. temperature 0: greedy, no q."""
+        c, head = self.config, self.head
+        k = min(k, c.block_size)
+        if k <= 0:
+            return HeadDraft([], [], None if temperature == 0.0 else [])
+        ids = torch.tensor([anchor] + [c.mask_token_id] * (c.block_size - 1))
+        positions = torch.arange(ctx.length, ctx.length + c.block_size)
+        hidden = head.backbone(self.embed(ids).float(), positions, ctx.view(), None)[:k]   # [k, H]
+        base = self.lm_head(hidden).float()                                                 # [k, V]
+        top = base.topk(min(self.candidates, base.shape[-1]), dim=-1)
+        markov = head.markov_head
+        tokens, confidence, support = [], [], []
+        prev = anchor
+        for j in range(k):
+            cands, logits = top.indices[j], top.values[j]
+            prev_t = torch.tensor([prev])
+            if markov is not None:
+                logits = logits + markov.markov_w2.weight[cands] @ markov.markov_w1.weight[prev]
+            if temperature == 0.0:
+                tok = int(cands[int(logits.argmax())])
+            else:
+                probs = torch.softmax(logits / temperature, -1)
+                tok = int(cands[int(torch.multinomial(probs, 1, generator=generator))])
+                support.append((cands.clone(), probs))
+            conf = head.confidence_logits(hidden[j:j + 1], prev_t)
+            confidence.append(1.0 if conf is None else float(torch.sigmoid(conf)[0]))
+            tokens.append(tok)
+            prev = tok
+        return HeadDraft(tokens, confidence, support if temperature != 0.0 else None)
+
+
+def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0, floor: float = 0.05) -> int:
+    """How many drafted positions to verify: the k that maximizes expected tokens per millisecond,
+    (1 + sum over j < k of the chance positions 0..j are all accepted) / (head_ms + pass_ms[k]),
+    with pass_ms[i] a verify pass feeding i + 1 tokens (the worker's calibrated curve). Without a
+    curve, every position whose chance of being reached stays at least `floor`."""
+    reach, expected = 1.0, [1.0]
+    for c in confidence:
+        reach *= c
+        expected.append(expected[-1] + reach)
+    if not pass_ms:
+        chances, r = [], 1.0
+        for c in confidence:
+            r *= c
+            chances.append(r)
+        return sum(1 for r in chances if r >= floor)
+    best, best_rate = 0, 0.0
+    for k in range(min(len(confidence), len(pass_ms) - 1) + 1):
+        rate = expected[k] / (head_ms + pass_ms[k])
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best

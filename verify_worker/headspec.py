@@ -1,0 +1,98 @@
+"""Speculation with a trained head beside the target: the verify worker proposes to itself.
+
+The head reads the target's hidden states for every position the target processes, so it runs
+where they are made. A session's rounds go through the worker's batcher like any other: the
+round's step feeds [last committed token] + the head's proposal and asks for the tapped states;
+its follow-up, on the inference thread right after the pass, judges the proposal, hands the
+states of the committed positions to the head's context, and drafts the next proposal at once,
+so a round costs one pass plus one head pass and no network hop.
+
+How many drafted positions a round verifies follows the head's confidence (see
+tandem.head.drafter.choose_k): greedy requests weigh it against the worker's calibrated pass-cost
+curve; sampled ones use the fixed rule, so that a seed gives the same output on any worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from tandem.engine.batcher import Step
+from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k
+from tandem.speculation.sampling import make_generator
+from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
+
+METHOD = "head"
+
+
+@dataclass
+class HeadSession:
+    context: HeadContext
+    generator: torch.Generator | None
+    proposal: HeadDraft | None = None      # the next round's, drafted right after the last verdict
+
+
+class HeadSpeculation:
+    def __init__(self, drafter: HeadDrafter, engine: VerifyEngine) -> None:
+        self.drafter, self.engine = drafter, engine
+        self.taps = tuple(i + 1 for i in drafter.taps)    # indices into the target's hidden states
+        self.draft_ms = 0.0                                # running mean of one head pass
+
+    def open(self, s: TargetSession) -> HeadSession:
+        return HeadSession(self.drafter.new_context(s.cache.capacity),
+                           None if s.params.greedy else make_generator(s.params.seed, stream=1))
+
+    def prefill_then(self, s: TargetSession, h: HeadSession, report):
+        """A prefill chunk's follow-up: the chunk's states join the head's context, then `report`."""
+        def then(rows):
+            logits, features = rows
+            self.drafter.extend(h.context, features)
+            return report(logits)
+        return then
+
+    def draft(self, s: TargetSession, h: HeadSession) -> None:
+        """Drafts the next proposal after s's committed tokens (on the inference thread)."""
+        start = time.perf_counter()
+        temperature = 0.0 if s.params.greedy else s.params.temperature
+        h.proposal = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, temperature,
+                                        h.generator)
+        ms = 1000 * (time.perf_counter() - start)
+        self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
+
+    def step(self, s: TargetSession, h: HeadSession) -> tuple[Step, list[int]]:
+        """The round's step, and the tokens it proposes: the drafted block cut to the confident
+        part, to the room left and, under a guide, before the first token the guide refuses."""
+        draft = h.proposal
+        room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
+                   self.engine.max_proposal)
+        curve = self.engine.model.forward_ms if s.params.greedy else []
+        k = max(0, min(room, choose_k(draft.confidence, curve, self.draft_ms)))
+        proposed = draft.tokens[:k]
+        if s.grammar is not None and proposed:
+            taken = s.grammar.advance(proposed)
+            s.grammar.rollback(taken)
+            proposed = proposed[:taken]
+        support = draft.support[:len(proposed)] if draft.support is not None else None
+        then = partial(self._judge, s, h, proposed, support)
+        return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True), proposed
+
+    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], support, rows) -> VerdictResult:
+        logits, features = rows
+        vocab = self.engine.model.vocab_size
+
+        def q() -> torch.Tensor | None:
+            if support is None:
+                return None
+            dense = torch.zeros(len(proposed), vocab)
+            for i, (ids, probs) in enumerate(support):
+                dense[i, ids] = probs
+            return dense
+
+        verdict = self.engine.judge_fed(s, proposed, q, logits)
+        self.drafter.extend(h.context, features[:s.cache.length - h.context.length])
+        if not verdict.stop_reason:
+            self.draft(s, h)
+        return verdict
