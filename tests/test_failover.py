@@ -261,3 +261,34 @@ def test_migrated_guided_stream_replays_its_guide(cluster, tiny_pair):
         assert text == want and text.count("=") == 1
     finally:
         replace_dead(cluster)
+
+
+@pytest.fixture(scope="module")
+def head_cluster(tiny_pair, redis_server, tmp_path_factory):
+    from tandem.testing import build_random_head
+    target, draft = tiny_pair
+    head = build_random_head(tmp_path_factory.mktemp("head") / "head.safetensors", target)
+    with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, verify_workers=2, draft_workers=1,
+               heartbeat_seconds=0.5, verify_args=["--head", str(head)],
+               gateway_args=["--max-migrations", "2"]) as s:
+        yield s
+
+
+def test_kill_9_of_a_head_worker_moves_the_session_to_another_head(head_cluster, expected):
+    """The head drafts inside the verify worker: when it dies, the gateway resumes the request on
+    another verify worker with a head, which rebuilds the head's context from the prompt and the
+    delivered tokens."""
+    victim = []
+
+    def kill():
+        victim.append(holder(head_cluster, "verify_worker"))
+        head_cluster.kill(victim[0], signal.SIGKILL)
+
+    try:
+        text, final = stream_with(head_cluster, long_request(method="head"), kill)
+        assert head_cluster.procs[victim[0]].wait(10) == -signal.SIGKILL
+        assert final.usage.migrations == 1
+        assert final.usage.draft_method == "head" and final.usage.draft_tokens > 0
+        assert text == expected
+    finally:
+        replace_dead(head_cluster)

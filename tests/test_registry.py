@@ -214,3 +214,21 @@ async def test_router_counts_its_own_reservations_before_the_next_heartbeat(redi
     router.reserved["room:1"] += 200
     router.inflight["room:1"] += 1
     assert await router.pick_verify("", set(), need=lambda room: 200 + room) == "full:1"
+
+
+@pytest.mark.system
+async def test_router_sends_head_requests_to_verify_workers_with_a_head(redis_client):
+    """A verify worker with a trained head registers the method; "head" goes there with no draft
+    worker, and falls back to plain decoding where no worker has one."""
+    from gateway.routing import RedisRouter
+    reg = Registry(redis_client)
+    router = RedisRouter(reg, "head-model", "redis://test")
+    await reg.register(WorkerInfo("plain:1", VERIFY, "head-model", load=0), ttl=5)
+    fallback = await router.route("head")
+    assert (fallback.verify, fallback.draft, fallback.method) == ("plain:1", None, "none")
+    await reg.register(WorkerInfo("headed:1", VERIFY, "head-model", load=4, methods=["head"]), ttl=5)
+    route = await router.route("head")
+    assert (route.verify, route.draft, route.method) == ("headed:1", None, "head")
+    assert (await router.route("none")).verify == "plain:1"          # least loaded for anything else
+    router.failed("headed:1")
+    assert (await router.route("head")).method == "none"             # its only head worker just failed
