@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | run | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-passcost | image | deploy-check
+#         | soak | bench | bench-load | bench-passcost | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
+.PHONY: train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ soak: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+
+# Train the block-drafter head for SmolLM2-135M-Instruct as shipped (tandem/head/trained/, docs/head.md):
+# about an hour on 2 CPU cores; HEAD_OUT keeps data, log and state (rerun to resume).
+HEAD_OUT ?= runs/head-smollm2
+HEAD_ARGS ?= --target smollm2-135m-instruct --steps 360 --batch 8 --anchors 48 --eval-every 60 \
+	--eval-sequences 24 --max-new-tokens 160
+train-head: setup
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m tandem.train_head --out $(HEAD_OUT) --resume $(HEAD_ARGS)
 
 # Concurrent streams, speculation on vs off (bench/load.py); LOAD_ARGS=--quick for a smoke run.
 LOAD_ARGS ?=

@@ -10,6 +10,9 @@ speculation on and off.
 And structured output (bench/guided.py): JSON Schema extraction with and without jump-forward, set
 against the same prompts' free-text speed-up, and the guide's masks' share of a round.
 
+And the trained head (bench/head.py): SmolLM2-135M-Instruct with its shipped head, none / ngram /
+head on the bench's prompts and on held-out ones, the head's cost per round and its calibration.
+
 Prints tables and writes JSON to bench/results/.
 """
 
@@ -25,6 +28,7 @@ import grpc
 import torch
 
 from bench.guided import guided, mask_costs, print_guided
+from bench.head import head_section, print_head
 from bench.params import parameters, print_parameters
 from bench.report import machine, summarize, timed_generate, write_json
 from tandem.client import build_request
@@ -141,11 +145,13 @@ def overhead(rounds_tokens: int = 96) -> dict:
             "in_process_round_ms": 1000 * statistics.median(local[2:])}
 
 
-SECTIONS = ("overhead", "models", "params", "guided")
+SECTIONS = ("overhead", "models", "params", "guided", "head")
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2,
-        "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1}
+        "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1,
+        "head_heldout": 8, "head_max_new_tokens": 128}
 QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2,
-         "guided_prompts": 1, "guided_max_new_tokens": 24, "guided_repeats": 1}
+         "guided_prompts": 1, "guided_max_new_tokens": 24, "guided_repeats": 1,
+         "head_heldout": 2, "head_max_new_tokens": 32}
 
 
 def main(argv=None) -> None:
@@ -175,6 +181,11 @@ def main(argv=None) -> None:
                    help=f"guided: per request (default {FULL['guided_max_new_tokens']})")
     p.add_argument("--guided-repeats", type=int,
                    help=f"guided: passes over the prompts (default {FULL['guided_repeats']})")
+    p.add_argument("--head-heldout", type=int,
+                   help=f"head: held-out prompts, half code and half chat (default {FULL['head_heldout']})")
+    p.add_argument("--head-max-new-tokens", type=int,
+                   help=f"head: per request (default {FULL['head_max_new_tokens']})")
+    p.add_argument("--head", default="shipped", help="head: the verify worker's --head")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
@@ -228,6 +239,10 @@ def main(argv=None) -> None:
                 result["guided"] = guided(stack, a.k, a.guided_max_new_tokens, a.guided_prompts, a.guided_repeats)
     if "guided" in sections:
         mask_costs(result["guided"], a.target)
+    if "head" in sections:      # its own stack: SmolLM2 and its shipped head, whatever --target says
+        print("head:", flush=True)
+        result["head"] = head_section(PROMPTS[:a.prompts], a.head_heldout, a.head_max_new_tokens, a.threads,
+                                      a.head, a.ngram_k)
     if "models" in sections:
         from transformers import AutoModelForCausalLM
 
@@ -280,6 +295,8 @@ def main(argv=None) -> None:
         print_parameters(result["parameters"])
     if "guided" in sections:
         print_guided(result["guided"])
+    if "head" in sections:
+        print_head(result["head"])
     write_json(a.out, result)
 
 

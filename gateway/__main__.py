@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="times one request may move to another worker after a worker fails")
     add_flag(parser, "--session-ttl-seconds", default=3600.0, type=float,
              help="a session's history is kept this long after its last use")
-    add_flag(parser, "--default-draft-method", default="model", help="model, ngram or none")
+    add_flag(parser, "--default-draft-method", default="model", help="model, ngram, head or none")
     add_flag(parser, "--default-speculative-tokens", default=16, type=int,
              help="k when a request leaves it 0 (an upper bound: the model drafter stops earlier on low confidence)")
     add_flag(parser, "--max-speculative-tokens", default=16, type=int, help="largest k a request may ask for")

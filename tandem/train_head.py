@@ -246,6 +246,17 @@ def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins:
             "calibration": calibration, "blocks": blocks}
 
 
+def portable(argv: list[str]) -> list[str]:
+    """The command line as recorded in the head file: the run folder by its name only."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--out" and i + 1 < len(out):
+            out[i + 1] = Path(out[i + 1]).name
+        elif arg.startswith("--out="):
+            out[i] = "--out=" + Path(arg[6:]).name
+    return out
+
+
 def lr_at(step: int, args) -> float:
     warm = max(1, int(args.warmup * args.steps))
     if step < warm:
@@ -355,7 +366,7 @@ def main(argv=None) -> None:
     bar.close()
     evaluated = evaluate(head, embed, lm_head, held, args.device)
     checkpoint_now(evaluated)
-    trained = {"command": "python -m tandem.train_head " + " ".join(argv if argv is not None else sys.argv[1:]),
+    trained = {"command": "python -m tandem.train_head " + " ".join(portable(argv if argv is not None else sys.argv[1:])),
                "steps": step, "train_sequences": len(train_rows),
                "train_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train_rows),
                "heldout_mean_accepted_length": evaluated["mean_accepted_length"]}

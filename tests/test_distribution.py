@@ -500,3 +500,239 @@ def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
     assert stats[None] < 1, stats
     for bug in bugs:
         assert stats[bug] > 1, (bug, stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 4: sampled speculation with a trained head, through the verify worker's head rounds
+# ---------------------------------------------------------------------------------------------
+#
+# The system under test: the verify worker's head speculation (verify_worker.headspec: `open`,
+# `prefill_then`, `draft`, `step` and its follow-up `_judge` -> VerifyEngine.judge_fed), driven as
+# tests.local.speculate_head drives it, with the head's tensors and context in the loop. The target
+# is the tiny model, memoized by prefix as in Part 3 (`_TapMemo` also returns the tapped hidden
+# states the head reads); the head drafts for real (HeadDrafter.draft: a block pass, then left to
+# right with the Markov bias, q the softmax over its candidates at the request's temperature).
+# choose_k is fixed to k = 3 (a random head's confidences would choose k at random, 0 included).
+#
+# An untrained head's proposals are almost never inside the target's top-k, so the rows after the
+# first would never be judged. The head here is an untrained one whose final norm is scaled down
+# (its own logits stay, smaller) and whose Markov table holds, after each token of the tree of
+# the target's top-k continuations, twice the target's raw logits after that token's history (the
+# first history where a token occurs several times): an overconfident head, its q sharper than the
+# target's distribution and not cut to the top k, so every row is reached, rejected sometimes, and
+# the bonus row is reached too (asserted). One config samples at temperature 1.5, where a q that
+# left out the temperature would be wrong (checked by hand: detection 2.3).
+#
+# The reference owes nothing to Tandem: the target's folder loaded with transformers, its last
+# logits through transformers' own RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+# TopKLogitsWarper and TopPLogitsWarper (generate's order), softmaxed, enumerated over the first
+# T = 3 tokens (an end token padded with PAD). The statistic is Part 2's `detection`.
+#
+# Wrong variants, through the same statistic:
+#   "reported_q":  the head samples from its q but reports the uniform distribution over its
+#                  candidates;
+#   "shifted_q":   the q reported for each position is the next position's;
+#   "row_history": the verify worker processes every row with the committed history only, so a
+#                  token proposed earlier in the block escapes the repetition penalty.
+# (A verify worker that ignores q and judges the proposal as deterministic is not wrong: accepting x
+# with chance p(x) and otherwise drawing from p without x emits exactly p, for any q; it only
+# accepts less.) The wrong variants run HEAD_WRONG_N sessions each, to keep the test short: each
+# is still detected with a wide margin (above 2, or infinitely far).
+
+HEAD_PROMPT = "The quick brown fox"
+HEAD_N, HEAD_WRONG_N = 3000, 800
+HEAD_K = 3
+HEAD_TABLE_SCALE = 2.0
+HEAD_CONFIGS = {   # name: (params, wrong variants that must be detected)
+    "top_k": (SamplingParams(temperature=1.5, top_k=4, max_new_tokens=32), ["reported_q", "shifted_q"]),
+    "repetition": (SamplingParams(temperature=1.0, top_k=4, top_p=0.9, repetition_penalty=2.0, max_new_tokens=32),
+                   ["row_history"]),
+}
+
+
+class _TapMemo(_Memo):
+    """`_Memo` with the tapped hidden states too (CausalLM.forward's `taps`), memoized alike."""
+
+    forward_ms: list[float] = []
+
+    def __init__(self, lm) -> None:
+        super().__init__(lm)
+        self.features: dict[tuple, torch.Tensor] = {}
+
+    def new_cache(self, capacity: int = 64) -> _Tape:
+        tape = _Tape()
+        tape.capacity = capacity          # the head's context is sized by it
+        return tape
+
+    def forward(self, token_ids: list[int], cache: _Tape, last: int | None = None, taps: tuple = ()):
+        start, full = cache.length, cache.ids + list(token_ids)
+        if taps and (taps, tuple(full)) not in self.features:
+            real = self.lm.new_cache(len(full))
+            try:
+                logits, features = self.lm.forward(full, real, taps=taps)
+            finally:
+                real.release()
+            for j in range(len(full)):
+                self.rows[tuple(full[:j + 1])] = logits[j]
+                self.features[(taps, tuple(full[:j + 1]))] = features[j]
+        logits = super().forward(token_ids, cache, last)
+        if not taps:
+            return logits
+        return logits, torch.stack([self.features[(taps, tuple(full[:j + 1]))] for j in range(start, len(full))])
+
+
+def head_exact(folder, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """The target's distribution of the first T tokens under params, from transformers alone."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    processors = LogitsProcessorList(
+        ([RepetitionPenaltyLogitsProcessor(params.repetition_penalty)] if params.repetition_penalty != 1.0 else [])
+        + [TemperatureLogitsWarper(params.temperature)]
+        + ([TopKLogitsWarper(params.top_k)] if params.top_k else [])
+        + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []))
+    result = {}
+
+    def walk(out: tuple, prob: float):
+        if len(out) == T or (out and out[-1] in eos):
+            result[tuple(PAD if t in eos else t for t in out) + (PAD,) * (T - len(out))] = prob
+            return
+        ids = torch.tensor([prompt + list(out)])
+        with torch.no_grad():
+            scores = processors(ids, model(ids).logits[:, -1].float())
+        p = torch.softmax(scores, dim=-1)[0]
+        for t in p.nonzero().flatten().tolist():
+            walk(out + (t,), prob * float(p[t]))
+
+    walk((), 1.0)
+    return result
+
+
+@pytest.fixture(scope="module")
+def head_setup(tiny_pair, tiny_models):
+    """(target folder, memoized target, prompt ids, serving target)."""
+    from tandem.engine.modeling import load_tokenizer
+    target, model = tiny_pair[0], tiny_models[0]
+    return target, _TapMemo(model), load_tokenizer(str(target))(HEAD_PROMPT).input_ids, model
+
+
+def table_spec(head_setup, exact: dict[tuple, float], path):
+    """HeadSpeculation with the head described above, for the tree of `exact`'s outcomes."""
+    from tandem.head.checkpoint import load_drafter
+    from tandem.testing import build_random_head
+    from verify_worker.engine import VerifyEngine
+    from verify_worker.headspec import HeadSpeculation
+    folder, memo, prompt, model = head_setup
+    build_random_head(path, folder, seed=2, block_size=HEAD_K, markov_rank=32)
+    drafter = load_drafter(str(path), model, str(folder))
+    drafter.candidates = model.vocab_size
+    head = drafter.head
+    after: dict[int, list[int]] = {}          # previous token -> the history its row is the target's after
+    for outcome in exact:
+        history = list(prompt)
+        for t in outcome[:T - 1]:
+            after.setdefault(history[-1], list(history))
+            if t == PAD:
+                break
+            history.append(t)
+        else:
+            after.setdefault(history[-1], history)
+    table = {}
+    for t, history in after.items():
+        cache = model.new_cache(len(history) + 1)
+        table[t] = model.forward(history, cache, last=1)[0]
+        cache.release()
+    assert len(table) <= head.config.markov_rank
+    with torch.no_grad():
+        head.norm.weight.mul_(0.25)
+        head.markov_head.markov_w1.weight.zero_()
+        head.markov_head.markov_w2.weight.zero_()
+        for i, (t, logits) in enumerate(table.items()):
+            head.markov_head.markov_w1.weight[t, i] = 1.0
+            head.markov_head.markov_w2.weight[:, i] = logits * HEAD_TABLE_SCALE
+    return HeadSpeculation(drafter, VerifyEngine(memo))
+
+
+def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Counter) -> tuple:
+    """One session's first T tokens (PAD after its end) through the head rounds; counts each
+    round's accepted tokens into `seen`."""
+    engine = spec.engine
+    s = engine.open("head", prompt, params, reuse_prefix=False)
+    s.head = spec.open(s)
+    for piece in engine.prefill_chunks(s, 1 << 30):
+        spec.prefill_then(s, s.head, lambda logits: None)(
+            engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    spec.draft(s, s.head)
+    while len(s.tokens) - len(prompt) < T and not s.stop_reason:
+        step, proposed = spec.step(s, s.head)
+        verdict = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+        seen[f"accepted {verdict.accepted} of {len(proposed)}"] += 1
+    out = s.tokens[len(prompt):len(prompt) + T]
+    return tuple(out) + (PAD,) * (T - len(out))
+
+
+def head_counts(spec, prompt: list[int], params: SamplingParams, n: int, bug: str | None,
+                monkeypatch) -> tuple[Counter, Counter]:
+    """(first T tokens of n sessions, seeds 0..n-1; what the rounds did)."""
+    from dataclasses import replace
+
+    import verify_worker.engine as engine_module
+    import verify_worker.headspec as headspec
+    real_process, real_draft = engine_module.process, spec.drafter.draft
+
+    def row_history(logits, history, prompt_len, params, eos_ids, proposed=(), allowed=None):
+        return torch.cat([real_process(logits[i:i + 1], history, prompt_len, params, eos_ids, (),
+                                       None if allowed is None else allowed[i:i + 1])
+                          for i in range(logits.shape[0])])
+
+    def reported_q(*args, **kwargs):
+        draft = real_draft(*args, **kwargs)
+        draft.support = [(ids, torch.full_like(probs, 1 / len(probs))) for ids, probs in draft.support]
+        return draft
+
+    def shifted_q(*args, **kwargs):
+        draft = real_draft(*args, **kwargs)
+        draft.support = draft.support[1:] + draft.support[-1:]
+        return draft
+
+    seen: Counter = Counter()
+    with monkeypatch.context() as patch:
+        patch.setattr(headspec, "choose_k", lambda confidence, curve, head_ms=0.0: HEAD_K)
+        if bug == "row_history":
+            patch.setattr(engine_module, "process", row_history)
+        if bug == "reported_q":
+            patch.setattr(spec.drafter, "draft", reported_q)
+        if bug == "shifted_q":
+            patch.setattr(spec.drafter, "draft", shifted_q)
+        counts = Counter(head_first_tokens(spec, prompt, replace(params, seed=seed), seen) for seed in range(n))
+    return counts, seen
+
+
+def test_head_threshold_detects_four_and_a_half_percentage_points():
+    assert bound(0.5, HEAD_N) < 0.045
+
+
+@pytest.mark.parametrize("name", list(HEAD_CONFIGS))
+def test_head_speculative_matches_target(head_setup, name, monkeypatch, tmp_path):
+    params, bugs = HEAD_CONFIGS[name]
+    folder, _, prompt, _ = head_setup
+    exact = head_exact(folder, prompt, params)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    for pos in range(T):          # a real choice at every position
+        assert len({c[pos] for c in exact}) >= (2 if pos == 0 else 4), (pos, exact)
+    spec = table_spec(head_setup, exact, tmp_path / "head.safetensors")
+    stats, seen = {}, {}
+    for bug in [None, *bugs]:
+        counts, seen[bug] = head_counts(spec, prompt, params, HEAD_WRONG_N if bug else HEAD_N, bug, monkeypatch)
+        stats[bug] = detection(counts, exact)
+    print(name, {b: round(s, 2) for b, s in stats.items()}, dict(seen[None]))
+    # every proposal is HEAD_K tokens long; every row rejected sometimes, and all accepted too
+    assert all(key.endswith(f"of {HEAD_K}") for key in seen[None]), seen[None]
+    assert all(seen[None][f"accepted {a} of {HEAD_K}"] > HEAD_N // 100 for a in range(HEAD_K + 1)), seen[None]
+    assert stats[None] < 1, stats
+    for bug in bugs:
+        assert stats[bug] > 1, (bug, stats)

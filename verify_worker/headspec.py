@@ -9,7 +9,9 @@ so a round costs one pass plus one head pass and no network hop.
 
 How many drafted positions a round verifies follows the head's confidence (see
 tandem.head.drafter.choose_k): greedy requests weigh it against the worker's calibrated pass-cost
-curve; sampled ones use the fixed rule, so that a seed gives the same output on any worker.
+curve; sampled ones use the fixed rule, so that a seed gives the same output on any worker. When
+the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
+rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tandem.speculation.sampling import make_generator
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
 METHOD = "head"
+MAX_REST = 8        # most plain rounds in a row after the head proposed nothing
 
 
 @dataclass
@@ -33,6 +36,8 @@ class HeadSession:
     context: HeadContext
     generator: torch.Generator | None
     proposal: HeadDraft | None = None      # the next round's, drafted right after the last verdict
+    rest: int = 0                          # plain rounds left before the head drafts again
+    backoff: int = 0                       # the length of the last rest
 
 
 class HeadSpeculation:
@@ -62,14 +67,21 @@ class HeadSpeculation:
         ms = 1000 * (time.perf_counter() - start)
         self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
 
-    def step(self, s: TargetSession, h: HeadSession) -> tuple[Step, list[int]]:
+    def step(self, s: TargetSession, h: HeadSession, k: int | None = None) -> tuple[Step, list[int]]:
         """The round's step, and the tokens it proposes: the drafted block cut to the confident
-        part, to the room left and, under a guide, before the first token the guide refuses."""
-        draft = h.proposal
+        part (or to `k` positions), to the room left and, under a guide, before the first token the
+        guide refuses."""
+        draft = h.proposal or HeadDraft([], [])
         room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
                    self.engine.max_proposal)
-        curve = self.engine.model.forward_ms if s.params.greedy else []
-        k = max(0, min(room, choose_k(draft.confidence, curve, self.draft_ms)))
+        if k is None:
+            curve = self.engine.model.forward_ms if s.params.greedy else []
+            k = choose_k(draft.confidence, curve, self.draft_ms)
+        k = max(0, min(room, k))
+        if h.proposal is not None:
+            # Nothing worth proposing: rest the head for a while, longer each time in a row.
+            h.backoff = 0 if k else min(MAX_REST, 2 * h.backoff or 1)
+            h.rest = h.backoff
         proposed = draft.tokens[:k]
         if s.grammar is not None and proposed:
             taken = s.grammar.advance(proposed)
@@ -93,6 +105,11 @@ class HeadSpeculation:
 
         verdict = self.engine.judge_fed(s, proposed, q, logits)
         self.drafter.extend(h.context, features[:s.cache.length - h.context.length])
-        if not verdict.stop_reason:
+        h.proposal = None
+        if verdict.stop_reason:
+            return verdict
+        if h.rest:
+            h.rest -= 1
+        else:
             self.draft(s, h)
         return verdict

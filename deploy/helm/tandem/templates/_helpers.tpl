@@ -254,6 +254,8 @@ bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker 
   value: {{ .pool.admissionTimeout | quote }}
 - name: TANDEM_PACKED_GEMM
   value: {{ .pool.packedGemm | quote }}
+- name: TANDEM_HEAD
+  value: {{ .pool.head | default "" | quote }}
 {{- else }}
 # the name it registers under: without it the gateway would use this pod for n-gram drafting only
 - name: TANDEM_TARGET_MODEL

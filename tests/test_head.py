@@ -1,0 +1,590 @@
+"""The trained head (tandem.head): drafting beside the target, its file formats, and how many
+drafted positions a round verifies.
+
+- Speculation with a head through the verify worker's own rounds (verify_worker.headspec, run in
+  one process by tests.local.speculate_head) gives exactly the target's greedy output, whether the
+  head drafts badly (an untrained head: nearly every proposal rejected) or well (a head whose Markov table
+  holds the target's own continuation: most accepted); after every round the head's context holds
+  exactly what one teacher-forced pass of the target gives for the committed tokens.
+- Sampled requests complete within their limits and a seed gives the same output again.
+- The training forward (tandem.train_head.block_outputs) and the drafter agree on every block
+  position: the token, the distribution, the confidence; features at or after the anchor change
+  nothing in training (the block mask).
+- The head file round-trips (bfloat16 storage), a DeepSpec folder loads to the same head, and
+  broken files or configurations fail with a message saying what is wrong.
+- choose_k against a brute-force search; the Markov and confidence heads change what is drafted.
+"""
+
+import copy
+import hashlib
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tandem.head import checkpoint
+from tandem.head.checkpoint import HeadFileError
+from tandem.head.drafter import HeadContext, HeadDrafter, choose_k
+from tandem.head.model import BlockHead, HeadConfig
+from tandem.speculation.sampling import SamplingParams
+from tandem.testing import build_random_head
+from tests.local import reference, speculate_head
+from verify_worker.engine import VerifyEngine
+from verify_worker.headspec import HeadSpeculation
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+PROMPTS = [[5, 6, 7, 8, 9], [3], "def add(a, b):", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair, tiny_models):
+    """(target folder, CausalLM, tokenizer)."""
+    from tandem.engine.modeling import load_tokenizer
+    return tiny_pair[0], tiny_models[0], load_tokenizer(str(tiny_pair[0]))
+
+
+@pytest.fixture(scope="module")
+def head_file(target, tmp_path_factory):
+    return build_random_head(tmp_path_factory.mktemp("head") / "head.safetensors", target[0], block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    tok = target[2]
+    return [p if isinstance(p, list) else tok(p).input_ids for p in PROMPTS]
+
+
+def serving(target, path) -> HeadSpeculation:
+    """The verify worker's head speculation, as `verify_worker --head path` builds it."""
+    folder, model, _ = target
+    return HeadSpeculation(checkpoint.load_drafter(str(path), model, str(folder)), VerifyEngine(model))
+
+
+def bare_drafter(target, head: BlockHead, candidates: int | None = None) -> HeadDrafter:
+    """A drafter over an unpacked head, bound to the target's embedding table and output layer."""
+    model = target[1].model
+    return HeadDrafter(head, model.get_input_embeddings(), model.get_output_embeddings(),
+                       candidates=candidates or head.config.vocab_size)
+
+
+def teacher_forced(model, ids: list[int], taps) -> torch.Tensor:
+    """Tapped features [len(ids), taps * hidden] from one pass of the target over ids."""
+    cache = model.new_cache(len(ids) + 1)
+    try:
+        return model.forward(ids, cache, last=1, taps=tuple(taps))[1]
+    finally:
+        cache.release()
+
+
+def checked_rounds(spec: HeadSpeculation, model, monkeypatch, seen: dict) -> None:
+    """Before every round: the head's context holds a position per committed token but the last,
+    with the keys and values that a fresh context made from one teacher-forced pass holds."""
+    real = spec.step
+
+    def step(s, h):
+        assert h.context.length == s.cache.length == len(s.tokens) - 1
+        if h.context.length:
+            fresh = spec.drafter.new_context()
+            spec.drafter.extend(fresh, teacher_forced(model, s.tokens[:-1], spec.taps))
+            for (k, v), (k2, v2) in zip(h.context.view(), fresh.view()):
+                torch.testing.assert_close(k, k2, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v, v2, atol=1e-4, rtol=1e-4)
+        seen["rounds"] = seen.get("rounds", 0) + 1
+        return real(s, h)
+
+    monkeypatch.setattr(spec, "step", step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy: exactly the target's output
+# ---------------------------------------------------------------------------------------------
+
+def test_greedy_with_an_untrained_head_is_the_targets_output(target, head_file, prompts, monkeypatch):
+    model = target[1]
+    spec = serving(target, head_file)
+    seen: dict = {}
+    checked_rounds(spec, model, monkeypatch, seen)
+    drafted = 0
+    for prompt in prompts:
+        for n in (1, 2, 9, 30):
+            params = SamplingParams(max_new_tokens=n)
+            out, d, a = speculate_head(VerifyEngine(model), spec, prompt, params)
+            assert out == reference(model, prompt, params), (prompt, n)
+            assert len(out) <= n
+            drafted += d
+            if n == 1:
+                assert d == 0            # no room for a proposal: the round is the target's token
+    assert drafted > 0 and seen["rounds"] > 0
+
+
+def table_head(target, path, sequences: list[list[int]]) -> HeadSpeculation:
+    """Serving speculation with a head whose Markov table proposes, after each token, what followed
+    it first in `sequences` (bias 100 on that token, far above the untrained base logits), and
+    whose confidence is ~0.98 everywhere, so every round proposes a whole block."""
+    spec = serving(target, path)
+    spec.drafter.candidates = spec.drafter.config.vocab_size     # the bias reaches every token
+    head = spec.drafter.head
+    follows: dict[int, int] = {}
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:]):
+            follows.setdefault(a, b)
+    r = head.config.markov_rank
+    assert len(follows) <= r
+    with torch.no_grad():
+        head.markov_head.markov_w1.weight.zero_()
+        head.markov_head.markov_w2.weight.zero_()
+        for i, (a, b) in enumerate(follows.items()):
+            head.markov_head.markov_w1.weight[a, i] = 1.0
+            head.markov_head.markov_w2.weight[b, i] = 100.0
+        head.confidence_head.proj.weight.zero_()
+        head.confidence_head.proj.bias.fill_(4.0)
+    return spec
+
+
+def test_greedy_with_a_head_that_drafts_well_is_the_targets_output(target, prompts, tmp_path, monkeypatch):
+    """Most proposals accepted, several positions a round: the committed positions' states extend
+    the head's context, the rejected ones do not."""
+    model = target[1]
+    path = build_random_head(tmp_path / "table.safetensors", target[0], seed=3, block_size=BLOCK, markov_rank=64)
+    params = SamplingParams(max_new_tokens=30)
+    refs = [reference(model, p, params) for p in prompts]
+    spec = table_head(target, path, [p[-1:] + r for p, r in zip(prompts, refs)])
+    seen: dict = {}
+    checked_rounds(spec, model, monkeypatch, seen)
+    # a calibrated pass-cost curve (greedy rounds weigh the confidences against it), nearly flat
+    monkeypatch.setattr(model, "forward_ms", [2.0 + 0.01 * i for i in range(9)])
+    drafted = accepted = 0
+    for prompt, ref in zip(prompts, refs):
+        out, d, a = speculate_head(VerifyEngine(model), spec, prompt, params)
+        assert out == ref, prompt
+        drafted, accepted = drafted + d, accepted + a
+    tokens = sum(len(r) for r in refs)
+    assert accepted > tokens / 2 and seen["rounds"] < tokens / 2, (accepted, drafted, seen, tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: within its limits, reproducible
+# ---------------------------------------------------------------------------------------------
+
+def test_sampled_runs_complete_and_a_seed_repeats(target, head_file, prompts):
+    model = target[1]
+    spec, other = serving(target, head_file), serving(target, head_file)
+    outputs = set()
+    drafted = 0
+    for seed in range(3):
+        for prompt in prompts[:3]:
+            params = SamplingParams(temperature=1.3, top_k=12, top_p=0.95, repetition_penalty=1.3, seed=seed,
+                                    max_new_tokens=12 + seed)
+            out, d, _ = speculate_head(VerifyEngine(model), spec, prompt, params)
+            assert 0 < len(out) <= params.max_new_tokens
+            assert not set(out) & set(model.eos_ids)
+            again, _, _ = speculate_head(VerifyEngine(model), spec, prompt, params)
+            elsewhere, _, _ = speculate_head(VerifyEngine(model), other, prompt, params)   # another worker
+            assert again == out == elsewhere, (prompt, seed)
+            outputs.add((tuple(prompt), tuple(out[:10])))
+            drafted += d
+    assert drafted > 0
+    assert len(outputs) > len(prompts[:3])          # the seed matters
+
+
+def test_sampled_runs_stop_at_the_end_token(target, head_file):
+    """The length penalty makes the end token likely from the third token on (and min_new_tokens
+    forbids it before the fourth): every run ends there, the end token not part of the output."""
+    model = target[1]
+    spec = serving(target, head_file)
+    lengths = []
+    for seed in range(6):
+        params = SamplingParams(temperature=1.5, seed=seed, max_new_tokens=40, min_new_tokens=3,
+                                length_start=2, length_decay=3.0)
+        out, _, _ = speculate_head(VerifyEngine(model), spec, [5, 6, 7, 8, 9], params)
+        assert model.eos_ids[0] not in out
+        lengths.append(len(out))
+    assert all(3 <= n < 40 for n in lengths), lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forward == drafting
+# ---------------------------------------------------------------------------------------------
+
+def test_training_forward_agrees_with_the_drafter(target, head_file, prompts):
+    from tandem.train_head import Sequence, block_outputs, target_features
+    model = target[1]
+    head, _ = checkpoint.load(head_file)
+    drafter = bare_drafter(target, head)
+    embed, lm_head = drafter.embed, drafter.lm_head
+    ids = prompts[2] + reference(model, prompts[2], SamplingParams(max_new_tokens=20))
+    seq = target_features(model, {"ids": ids, "prompt_len": len(prompts[2])}, drafter.taps)
+    assert seq.features.shape == (len(ids), len(drafter.taps) * 64)
+    anchors = [0, 1, 6, 13, len(ids) - BLOCK - 2]
+    g = torch.Generator().manual_seed(0)
+
+    def ctx_of(features):
+        ctx = drafter.new_context(4)           # grown while extended
+        drafter.extend(ctx, features.float())
+        return ctx
+
+    # all anchors in one batch: position 0 (its previous token is the anchor for both)
+    with torch.no_grad():
+        logits, _, labels, valid, conf = block_outputs(head, embed, lm_head, seq, torch.tensor(anchors), "cpu")
+    assert labels[:, 0].tolist() == [ids[a + 1] for a in anchors]
+    for i, a in enumerate(anchors):
+        ctx = ctx_of(seq.features[:a])
+        greedy = drafter.draft(ctx, ids[a], BLOCK)
+        assert greedy.tokens[0] == int(logits[i, 0].argmax()), a
+        assert greedy.confidence[0] == pytest.approx(float(torch.sigmoid(conf[i, 0])), abs=1e-5)
+        sampled = drafter.draft(ctx, ids[a], 1, temperature=1.0, generator=g)
+        cands, probs = sampled.support[0]
+        assert len(cands) == head.config.vocab_size
+        dense = torch.zeros(head.config.vocab_size).index_put_((cands,), probs)
+        torch.testing.assert_close(dense, torch.softmax(logits[i, 0], -1), atol=1e-5, rtol=1e-4)
+
+    # every position, one anchor at a time, with the drafted tokens as the sequence's tokens (so the
+    # trainer's previous tokens are the drafter's) and noise for every feature from the anchor on
+    for a in anchors:
+        greedy = drafter.draft(ctx_of(seq.features[:a]), ids[a], BLOCK)
+        row = {"ids": ids[:a + 1] + greedy.tokens, "prompt_len": 0}
+        noise = torch.randn(BLOCK + 1, seq.features.shape[1], generator=g).half() * 10
+        seq2 = Sequence(row, torch.cat([seq.features[:a], noise]), torch.randn(a + 1 + BLOCK, 64).half())
+        with torch.no_grad():
+            logits, _, labels, valid, conf = block_outputs(head, embed, lm_head, seq2, torch.tensor([a]), "cpu")
+        assert labels[0].tolist() == greedy.tokens and valid.all()
+        for j, t in enumerate(greedy.tokens):
+            assert float(logits[0, j, t]) >= float(logits[0, j].max()) - 1e-4, (a, j)
+        assert greedy.confidence == pytest.approx(torch.sigmoid(conf[0]).tolist(), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The head file, a DeepSpec folder, broken files
+# ---------------------------------------------------------------------------------------------
+
+def tiny_config(target, **changes) -> HeadConfig:
+    from transformers import AutoConfig
+    config = HeadConfig.for_target(AutoConfig.from_pretrained(target[0]), layers=2, block_size=BLOCK,
+                                   markov_rank=8, taps=[0, 1], mask_token_id=1)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+def random_head(config: HeadConfig, seed: int = 0) -> BlockHead:
+    torch.manual_seed(seed)
+    head = BlockHead(config)
+    with torch.no_grad():
+        for p in head.parameters():        # norms and the Markov head too: every tensor matters
+            p.normal_(0, 0.3 if p.dim() > 1 else 1.0)
+    return head.eval()
+
+
+def drafts(target, head: BlockHead, seed: int = 0) -> list:
+    """What a head drafts from random context features: greedy and sampled, several anchors."""
+    g = torch.Generator().manual_seed(seed)
+    drafter = bare_drafter(target, head, candidates=32)
+    c = head.config
+    out = []
+    for n, anchor in ((0, 7), (3, 11), (9, 200)):
+        ctx = drafter.new_context()
+        drafter.extend(ctx, torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g))
+        greedy = drafter.draft(ctx, anchor, BLOCK)
+        sampled = drafter.draft(ctx, anchor, BLOCK, temperature=0.7, generator=torch.Generator().manual_seed(n))
+        out.append((greedy.tokens, greedy.confidence, sampled.tokens, sampled.confidence,
+                    [(i.tolist(), p.tolist()) for i, p in sampled.support]))
+    return out
+
+
+def same_parameters(a: BlockHead, b: BlockHead) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype == torch.float32, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_save_load_round_trip(target, tmp_path):
+    head = random_head(tiny_config(target))
+    path = tmp_path / "h.safetensors"
+    trained = {"command": "python -m tandem.train_head --steps 3", "steps": 3}
+    digest = checkpoint.save(head, path, target="tiny-target", trained=trained)
+    assert digest == checkpoint.sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    with safe_open(str(path), "pt") as f:
+        names, meta = set(f.keys()), f.metadata()
+        assert {f.get_tensor(n).dtype for n in names} == {torch.bfloat16}
+    assert names == set(head.state_dict())
+    assert not any(n.startswith(("embed_tokens", "lm_head", "model.")) for n in names)
+    assert meta["format"] == "tandem-head/1"
+
+    loaded, info = checkpoint.load(path)
+    assert info == {"target": "tiny-target", "trained": trained}
+    assert loaded.config == head.config and not loaded.training
+    rounded = copy.deepcopy(head)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    assert not torch.equal(rounded.fc.weight, head.fc.weight)      # the file really is bfloat16
+    same_parameters(loaded, rounded)
+    assert drafts(target, loaded) == drafts(target, rounded)
+    assert drafts(target, loaded) != drafts(target, random_head(tiny_config(target), seed=1))
+
+    # a head saved without metadata to speak of still loads, with empty target and training record
+    checkpoint.save(loaded, tmp_path / "bare.safetensors")
+    assert checkpoint.load(tmp_path / "bare.safetensors")[1] == {"target": "", "trained": {}}
+
+
+def deepspec_folder(folder, head: BlockHead, weights: str, prefix: str, config_changes: dict | None = None):
+    """A checkpoint laid out as DeepSpec's: config.json with its field names (and fields Tandem
+    does not know), the head's tensors under `prefix`, plus embedding and output-layer copies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    config = {
+        "architectures": ["DSparkDraftModel"], "model_type": "dspark", "torch_dtype": "bfloat16",
+        "transformers_version": "4.56.0", "target_model_name_or_path": "Qwen/Qwen3-8B",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids), "num_anchors": 512,
+        "markov_rank": c.markov_rank, "markov_head_type": "vanilla",
+        "enable_confidence_head": c.enable_confidence_head,
+        "confidence_head_with_markov": c.confidence_head_with_markov, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False,
+    }
+    for k, v in (config_changes or {}).items():     # None: the field is left out
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {prefix + n: t.clone() for n, t in head.state_dict().items()}
+    tensors[prefix + "embed_tokens.weight"] = torch.randn(c.vocab_size, c.hidden_size)
+    tensors["lm_head.weight"] = torch.randn(c.vocab_size, c.hidden_size)
+    save_file(tensors, str(folder / weights))
+    return folder
+
+
+@pytest.mark.parametrize("weights,prefix,changes", [
+    ("model.safetensors", "model.", {}),
+    ("pytorch_model.safetensors", "", {"rope_theta": None, "rope_parameters": {"rope_theta": 5e5}}),
+    ("model.safetensors", "model.", {"head_dim": None}),
+])
+def test_deepspec_folder_loads_the_same_head(target, tmp_path, weights, prefix, changes):
+    head = random_head(tiny_config(target, rope_theta=5e5))       # not the default 10000
+    folder = deepspec_folder(tmp_path / "ds", head, weights, prefix, changes)
+    loaded, info = checkpoint.load(folder)
+    assert info == {"target": "Qwen/Qwen3-8B", "trained": {}}
+    for field in ("hidden_size", "head_dim", "target_layer_ids", "block_size", "mask_token_id", "markov_rank",
+                  "rope_theta", "num_key_value_heads"):
+        assert getattr(loaded.config, field) == getattr(head.config, field), field
+    same_parameters(loaded, head)
+    assert drafts(target, loaded) == drafts(target, head)
+    checkpoint.check_target(loaded.config, target[1].model.config)
+
+
+def rewrite(path, out, drop: str = "", reshape: str = "", config_changes: dict | None = None, meta=None):
+    """A copy of head file `path` with one tensor dropped or reshaped, or its config changed."""
+    with safe_open(str(path), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+        metadata = dict(f.metadata())
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    if config_changes:
+        config = json.loads(metadata["config"])
+        config.update(config_changes)
+        metadata["config"] = json.dumps(config)
+    save_file(tensors, str(out), metadata=meta if meta is not None else metadata)
+    return out
+
+
+def test_broken_files_say_what_is_wrong(target, tmp_path):
+    good = tmp_path / "good.safetensors"
+    checkpoint.save(random_head(tiny_config(target)), good)
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"this is not a safetensors file at all")
+    with pytest.raises(HeadFileError, match="cannot read head file junk.safetensors"):
+        checkpoint.load(junk)
+    with pytest.raises(HeadFileError, match="cannot read head file missing.safetensors"):
+        checkpoint.load(tmp_path / "missing.safetensors")
+
+    plain = tmp_path / "plain.safetensors"
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(plain))
+    with pytest.raises(HeadFileError, match=r"plain.safetensors is not a Tandem head file \(format None\)"):
+        checkpoint.load(plain)
+    other = rewrite(good, tmp_path / "other.safetensors", meta={"format": "tandem-head/2", "config": "{}"})
+    with pytest.raises(HeadFileError, match=r"is not a Tandem head file \(format 'tandem-head/2'\)"):
+        checkpoint.load(other)
+
+    missing = rewrite(good, tmp_path / "m.safetensors", drop="layers.1.mlp.up_proj.weight")
+    with pytest.raises(HeadFileError, match=r"m.safetensors: parameters do not match the configuration "
+                                            r"\(missing \['layers.1.mlp.up_proj.weight'\], unexpected \[\]\)"):
+        checkpoint.load(missing)
+    fewer = rewrite(good, tmp_path / "l.safetensors", config_changes={"num_hidden_layers": 1})
+    with pytest.raises(HeadFileError, match=r"missing \[\], unexpected \['layers.1.input_layernorm.weight'"):
+        checkpoint.load(fewer)
+    shape = rewrite(good, tmp_path / "s.safetensors", reshape="markov_head.markov_w2.weight")
+    with pytest.raises(HeadFileError, match=r"s.safetensors: markov_head.markov_w2.weight has shape \(319, 8\), "
+                                            r"expected \(320, 8\)"):
+        checkpoint.load(shape)
+
+    gated = rewrite(good, tmp_path / "g.safetensors", config_changes={"markov_head_type": "gated"})
+    with pytest.raises(ValueError, match="markov_head_type 'gated' is not supported"):
+        checkpoint.load(gated)
+    taps = rewrite(good, tmp_path / "t.safetensors", config_changes={"target_layer_ids": [1, 1]})
+    with pytest.raises(ValueError, match=r"target_layer_ids must be strictly increasing, got \[1, 1\]"):
+        checkpoint.load(taps)
+    with pytest.raises(ValueError, match="target_layer_ids must not be empty"):
+        checkpoint.load(rewrite(good, tmp_path / "e.safetensors", config_changes={"target_layer_ids": []}))
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        checkpoint.load(rewrite(good, tmp_path / "k.safetensors", config_changes={"num_key_value_heads": 3}))
+
+    # a DeepSpec folder: incomplete, gated, decreasing taps
+    head = random_head(tiny_config(target))
+    with pytest.raises(HeadFileError, match="ds0: a DeepSpec checkpoint needs config.json and model.safetensors"):
+        checkpoint.load(deepspec_folder(tmp_path / "ds0", head, "weights.bin", "model."))
+    with pytest.raises(ValueError, match="markov_head_type 'gated' is not supported"):
+        checkpoint.load(deepspec_folder(tmp_path / "ds1", head, "model.safetensors", "model.",
+                                        {"markov_head_type": "gated"}))
+    with pytest.raises(ValueError, match=r"strictly increasing, got \[1, 0\]"):
+        checkpoint.load(deepspec_folder(tmp_path / "ds2", head, "model.safetensors", "model.",
+                                        {"target_layer_ids": [1, 0]}))
+    with pytest.raises(HeadFileError, match=r"ds3: parameters do not match the configuration \(missing \[\], "
+                                            r"unexpected \['layers.1.input_layernorm.weight'"):
+        checkpoint.load(deepspec_folder(tmp_path / "ds3", head, "model.safetensors", "model.",
+                                        {"num_hidden_layers": 1}))
+
+
+def test_check_target(target):
+    from transformers import AutoConfig
+    tc = AutoConfig.from_pretrained(target[0])           # hidden 64, vocab 320, 2 layers
+    checkpoint.check_target(tiny_config(target), tc)
+    with pytest.raises(HeadFileError, match="head vocab_size 321 != target's 320"):
+        checkpoint.check_target(tiny_config(target, vocab_size=321), tc)
+    with pytest.raises(HeadFileError, match="head hidden_size 96 != target's 64"):
+        checkpoint.check_target(tiny_config(target, hidden_size=96), tc)
+    with pytest.raises(HeadFileError, match=r"head taps layers \[0, 2\]; the target has 2"):
+        checkpoint.check_target(tiny_config(target, target_layer_ids=[0, 2]), tc)
+    with pytest.raises(HeadFileError, match=r"head taps layers \[-2, 1\]; the target has 2"):
+        checkpoint.check_target(tiny_config(target, target_layer_ids=[-2, 1]), tc)
+
+
+def test_load_drafter_refuses_a_head_for_another_target(target, tmp_path):
+    path = tmp_path / "wide.safetensors"
+    config = tiny_config(target, target_layer_ids=[0, 1, 2], num_target_layers=3)
+    checkpoint.save(random_head(config), path)
+    with pytest.raises(HeadFileError, match=r"head taps layers \[0, 1, 2\]; the target has 2"):
+        checkpoint.load_drafter(str(path), target[1], str(target[0]))
+    with pytest.raises(HeadFileError, match="no head is shipped for 'no-such-preset'"):
+        checkpoint.load_drafter("shipped", target[1], "no-such-preset")
+
+
+# ---------------------------------------------------------------------------------------------
+# choose_k, the context, the Markov and confidence heads
+# ---------------------------------------------------------------------------------------------
+
+def best_k(confidence, pass_ms, head_ms):
+    """Brute force: the k (smallest among ties) maximizing E[tokens] / (head_ms + pass_ms[k])."""
+    def expected(k):
+        total, reach = 1.0, 1.0
+        for c in confidence[:k]:
+            reach *= c
+            total += reach
+        return total
+    ks = range(min(len(confidence), len(pass_ms) - 1) + 1)
+    rates = [expected(k) / (head_ms + pass_ms[k]) for k in ks]
+    return rates.index(max(rates))
+
+
+def test_choose_k():
+    flat = [10.0 + 0.1 * i for i in range(9)]         # a pass of 1..9 tokens costs about the same
+    assert choose_k([0.95] * 8, flat) == 8
+    assert choose_k([0.9, 0.9, 0.9, 0.01, 0.9], flat) == 3
+    assert choose_k([0.01] * 8, [10.0 + 0.5 * i for i in range(9)]) == 0
+    assert choose_k([0.95] * 8, flat[:4]) == 3                   # the curve ends at 4 tokens fed
+    assert choose_k([0.95] * 3, flat) == 3
+    steep = [10.0 * (i + 1) for i in range(9)]                   # each token fed costs a whole pass
+    assert choose_k([0.95] * 8, steep) == 0
+    assert choose_k([0.95] * 8, steep, head_ms=1000.0) == 8      # a slow head: verify all it drafted
+    # no curve: every position reached with chance >= floor
+    assert choose_k([0.9, 0.5, 0.2, 0.9], []) == 4               # 0.9, 0.45, 0.09, 0.081
+    assert choose_k([0.9, 0.5, 0.2, 0.9], [], floor=0.1) == 2
+    assert choose_k([0.04, 1.0], []) == 0
+    assert choose_k([], []) == 0 and choose_k([], flat) == 0
+    assert choose_k([0.0, 0.0], [10.0, 10.0, 10.0]) == 0          # among equal rates, the fewest tokens
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(0, 9)
+        confidence = [rng.random() for _ in range(n)]
+        curve = sorted(rng.uniform(5, 30) for _ in range(rng.randint(1, 10)))
+        head_ms = rng.choice([0.0, rng.uniform(0, 5)])
+        k = choose_k(confidence, curve, head_ms)
+        assert k == best_k(confidence, curve, head_ms), (confidence, curve, head_ms)
+        assert 0 <= k <= len(confidence)
+        assert 0 <= choose_k(confidence, []) <= len(confidence)
+
+
+def test_context_grows_and_crops():
+    ctx = HeadContext(layers=2, kv_heads=2, head_dim=3, capacity=2)
+    parts = [[(torch.randn(2, n, 3), torch.randn(2, n, 3)) for _ in range(2)] for n in (1, 2, 5)]
+    for kv in parts:
+        ctx.append(kv)
+    assert ctx.length == 8 and ctx.k[0].shape[1] >= 8
+    for layer in range(2):
+        k, v = ctx.view()[layer]
+        assert torch.equal(k, torch.cat([p[layer][0] for p in parts], 1))
+        assert torch.equal(v, torch.cat([p[layer][1] for p in parts], 1))
+    ctx.crop(3)
+    ctx.crop(5)                                 # never longer than it is
+    assert ctx.length == 3
+    new = [(torch.ones(2, 1, 3), torch.ones(2, 1, 3))] * 2
+    ctx.append(new)
+    assert torch.equal(ctx.view()[1][0][:, 3:], new[1][0]) and ctx.length == 4
+
+
+def test_the_markov_head_changes_what_is_drafted(target):
+    head = random_head(tiny_config(target))
+    without = copy.deepcopy(head)
+    with torch.no_grad():
+        without.markov_head.markov_w2.weight.zero_()
+    a, b = drafts(target, head), drafts(target, without)
+    assert [x[0] for x in a] != [x[0] for x in b]          # greedy tokens differ for some anchor
+    # the zeroed Markov head drafts exactly what the base logits' argmax gives, position by position
+    drafter = bare_drafter(target, without)
+    ctx = drafter.new_context()
+    drafter.extend(ctx, torch.randn(5, 128, generator=torch.Generator().manual_seed(1)))
+    d = drafter.draft(ctx, 42, BLOCK)
+    with torch.no_grad():
+        ids = torch.tensor([42] + [without.config.mask_token_id] * (BLOCK - 1))
+        hidden = without.backbone(drafter.embed(ids).float(), torch.arange(5, 5 + BLOCK), ctx.view(), None)
+        assert d.tokens == drafter.lm_head(hidden).argmax(-1).tolist()
+    # the sampled q is the Markov-corrected softmax: zeroing w2 changes it
+    g = lambda: torch.Generator().manual_seed(0)      # noqa: E731
+    qa = bare_drafter(target, head).draft(ctx, 42, 1, 1.0, g()).support[0][1]
+    qb = drafter.draft(ctx, 42, 1, 1.0, g()).support[0][1]
+    assert not torch.allclose(qa, qb)
+
+
+def test_the_confidence_head_decides_the_confidence(target):
+    head = random_head(tiny_config(target))
+    conf = [x[1] for x in drafts(target, head)]
+    assert all(0 < c < 1 for cs in conf for c in cs) and len({c for cs in conf for c in cs}) > 3
+    plain = random_head(tiny_config(target, enable_confidence_head=False))
+    assert plain.confidence_head is None
+    assert all(c == 1.0 for x in drafts(target, plain) for c in x[1])
+    no_markov = random_head(tiny_config(target, confidence_head_with_markov=False))
+    assert no_markov.confidence_head.proj.in_features == 64
+    without = random_head(tiny_config(target, markov_rank=0, confidence_head_with_markov=False))
+    assert without.markov_head is None and len(drafts(target, without)[0][0]) == BLOCK
+    with pytest.raises(ValueError, match="confidence_head_with_markov needs markov_rank > 0"):
+        BlockHead(tiny_config(target, markov_rank=0))
+    # the previous token's Markov embedding feeds the confidence: changing it changes the confidence
+    other = copy.deepcopy(head)
+    with torch.no_grad():
+        other.markov_head.markov_w1.weight.mul_(-1)
+        other.markov_head.markov_w2.weight.mul_(-1)   # same Markov bias, other embedding
+    a, b = drafts(target, head), drafts(target, other)
+    assert [x[0] for x in a] == [x[0] for x in b] and [x[1] for x in a] != [x[1] for x in b]
