@@ -431,16 +431,27 @@ def test_broken_files_say_what_is_wrong(target, tmp_path):
                                             r"expected \(320, 8\)"):
         checkpoint.load(shape)
 
+    # a bad configuration is the file's fault too: HeadFileError, so --head exits with its message
     gated = rewrite(good, tmp_path / "g.safetensors", config_changes={"markov_head_type": "gated"})
-    with pytest.raises(ValueError, match="markov_head_type 'gated' is not supported"):
+    with pytest.raises(HeadFileError, match="g.safetensors: bad head configuration: markov_head_type 'gated'"):
         checkpoint.load(gated)
     taps = rewrite(good, tmp_path / "t.safetensors", config_changes={"target_layer_ids": [1, 1]})
-    with pytest.raises(ValueError, match=r"target_layer_ids must be strictly increasing, got \[1, 1\]"):
+    with pytest.raises(HeadFileError, match=r"target_layer_ids must be strictly increasing, got \[1, 1\]"):
         checkpoint.load(taps)
-    with pytest.raises(ValueError, match="target_layer_ids must not be empty"):
+    with pytest.raises(HeadFileError, match="target_layer_ids must not be empty"):
         checkpoint.load(rewrite(good, tmp_path / "e.safetensors", config_changes={"target_layer_ids": []}))
-    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+    with pytest.raises(HeadFileError, match="multiple of num_key_value_heads"):
         checkpoint.load(rewrite(good, tmp_path / "k.safetensors", config_changes={"num_key_value_heads": 3}))
+    no_config = rewrite(good, tmp_path / "n.safetensors", meta={"format": "tandem-head/1"})
+    with pytest.raises(HeadFileError, match="n.safetensors: bad head configuration"):
+        checkpoint.load(no_config)
+    bad_json = rewrite(good, tmp_path / "j.safetensors", meta={"format": "tandem-head/1", "config": "{oops"})
+    with pytest.raises(HeadFileError, match="j.safetensors: bad head configuration"):
+        checkpoint.load(bad_json)
+    no_width = rewrite(good, tmp_path / "w.safetensors", meta={"format": "tandem-head/1",
+                                                               "config": json.dumps({"vocab_size": 320})})
+    with pytest.raises(HeadFileError, match="w.safetensors: bad head configuration"):
+        checkpoint.load(no_width)
 
     # a DeepSpec folder: incomplete, gated, decreasing taps
     head = random_head(tiny_config(target))
@@ -470,6 +481,8 @@ def test_check_target(target):
         checkpoint.check_target(tiny_config(target, target_layer_ids=[0, 2]), tc)
     with pytest.raises(HeadFileError, match=r"head taps layers \[-2, 1\]; the target has 2"):
         checkpoint.check_target(tiny_config(target, target_layer_ids=[-2, 1]), tc)
+    with pytest.raises(HeadFileError, match="head mask_token_id 320 is outside the vocabulary"):
+        checkpoint.check_target(tiny_config(target, mask_token_id=320), tc)
 
 
 def test_load_drafter_refuses_a_head_for_another_target(target, tmp_path):

@@ -50,6 +50,20 @@ async def test_greedy_head_equals_the_target_alone(head_stack, tiny_pair, tiny_m
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_head_rounds_are_counted_under_method_head(head_stack):
+    from prometheus_client import REGISTRY
+
+    def count(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"method": "head"}) or 0.0
+    names = ("tandem_spec_decode_num_draft_tokens_total", "tandem_spec_decode_num_accepted_tokens_total")
+    before = [count(n) for n in names]
+    r = await head_stack.tandem.Generate(request("for i in range(10):", max_new_tokens=24), timeout=60)
+    after = [count(n) for n in names]
+    assert after[0] - before[0] == r.usage.draft_tokens > 0
+    assert after[1] - before[1] == r.usage.accepted_tokens
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_tgis_face_serves_the_head(head_stack):
     text = "def add(a, b):"
     plain = await head_stack.tgis.Generate(fpb.BatchedGenerationRequest(

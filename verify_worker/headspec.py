@@ -24,6 +24,7 @@ import torch
 
 from tandem.engine.batcher import Step
 from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k
+from tandem.service import metrics
 from tandem.speculation.sampling import make_generator
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
@@ -64,7 +65,9 @@ class HeadSpeculation:
         temperature = 0.0 if s.params.greedy else s.params.temperature
         h.proposal = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, temperature,
                                         h.generator)
-        ms = 1000 * (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        metrics.PROPOSE.observe(seconds)
+        ms = 1000 * seconds
         self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
 
     def step(self, s: TargetSession, h: HeadSession, k: int | None = None) -> tuple[Step, list[int]]:

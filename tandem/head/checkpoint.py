@@ -67,7 +67,7 @@ def load(path: Path | str) -> tuple[BlockHead, dict]:
         raise HeadFileError(f"cannot read head file {path.name}: {e}") from None
     if meta.get("format") != FORMAT:
         raise HeadFileError(f"{path.name} is not a Tandem head file (format {meta.get('format')!r})")
-    config = HeadConfig.from_dict(json.loads(meta["config"]))
+    config = _config(meta.get("config", ""), path.name)
     return _build(config, tensors, path.name), {"target": meta.get("target", ""),
                                                 "trained": json.loads(meta.get("trained") or "{}")}
 
@@ -78,18 +78,31 @@ def _load_deepspec(folder: Path) -> tuple[BlockHead, dict]:
                     if (folder / n).exists()), None)
     if not config_file.exists() or weights is None:
         raise HeadFileError(f"{folder.name}: a DeepSpec checkpoint needs config.json and model.safetensors")
-    raw = json.loads(config_file.read_text())
-    if raw.get("num_target_layers") is None and raw.get("target_layer_ids"):
-        raw["num_target_layers"] = 0
-    config = HeadConfig.from_dict(raw)
+    raw = _config(config_file.read_text(), folder.name, parse_only=True)
+    config = _config(raw, folder.name)
     tensors = {}
-    with safe_open(str(weights), "pt") as f:
-        for name in f.keys():
-            own = name.removeprefix("model.")
-            if not own.startswith(SHARED):
-                tensors[own] = f.get_tensor(name)
+    try:
+        with safe_open(str(weights), "pt") as f:
+            for name in f.keys():
+                own = name.removeprefix("model.")
+                if not own.startswith(SHARED):
+                    tensors[own] = f.get_tensor(name)
+    except Exception as e:        # safetensors raises its own types for a bad file
+        raise HeadFileError(f"cannot read {weights.name}: {e}") from None
     return _build(config, tensors, folder.name), {"target": raw.get("target_model_name_or_path", ""),
                                                   "trained": {}}
+
+
+def _config(raw: str | dict, name: str, parse_only: bool = False):
+    """The HeadConfig of a JSON text or dict (just the dict with parse_only); HeadFileError when
+    it is not one."""
+    try:
+        d = json.loads(raw) if isinstance(raw, str) else raw
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        return d if parse_only else HeadConfig.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise HeadFileError(f"{name}: bad head configuration: {e}") from None
 
 
 def _build(config: HeadConfig, tensors: dict[str, torch.Tensor], name: str) -> BlockHead:
@@ -113,6 +126,8 @@ def check_target(config: HeadConfig, target_config) -> None:
         raise HeadFileError(f"head hidden_size {config.hidden_size} != target's {target_config.hidden_size}")
     if config.vocab_size != target_config.vocab_size:
         raise HeadFileError(f"head vocab_size {config.vocab_size} != target's {target_config.vocab_size}")
+    if not 0 <= config.mask_token_id < config.vocab_size:
+        raise HeadFileError(f"head mask_token_id {config.mask_token_id} is outside the vocabulary")
     layers = target_config.num_hidden_layers
     if max(config.target_layer_ids) >= layers or min(config.target_layer_ids) < -1:
         raise HeadFileError(f"head taps layers {config.target_layer_ids}; the target has {layers}")
