@@ -1,4 +1,4 @@
-# Tandem: make setup | protos | run | test | test-unit | test-service | test-system | test-deploy | test-slow
+# Tandem: make setup | protos | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
 #         | soak | bench | bench-load | bench-passcost | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
+.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ protos: $(GEN_STAMP)
 
 run: setup
 	$(PY) -m tandem.launch
+
+# The same with SmolLM2-135M-Instruct and the head shipped for it (draft method "head"; n-gram drafting
+# from a model-free draft worker): about 1 GB of memory, no draft model.
+run-head: setup
+	$(PY) -m tandem.launch --target smollm2-135m-instruct --draft none --head shipped
 
 # Every tier (what CI runs). The tiers are pytest markers (pyproject.toml; tests/conftest.py refuses a
 # test without exactly one): unit (in this process, no server), service (the stack in this process
@@ -57,7 +62,7 @@ bench: setup
 # Train the block-drafter head for SmolLM2-135M-Instruct as shipped (tandem/head/trained/, docs/head.md):
 # about an hour on 2 CPU cores; HEAD_OUT keeps data, log and state (rerun to resume).
 HEAD_OUT ?= runs/head-smollm2
-HEAD_ARGS ?= --target smollm2-135m-instruct --steps 360 --batch 8 --anchors 48 --eval-every 60 \
+HEAD_ARGS ?= --target smollm2-135m-instruct --steps 1000 --batch 8 --anchors 48 --eval-every 100 \
 	--eval-sequences 24 --max-new-tokens 160
 train-head: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m tandem.train_head --out $(HEAD_OUT) --resume $(HEAD_ARGS)

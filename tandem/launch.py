@@ -199,6 +199,9 @@ def main(argv=None) -> None:
     add_flag(parser, "--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or none")
     add_flag(parser, "--threads", default=2, type=int, help="torch threads per worker process")
     add_flag(parser, "--gateway-port", default=50051, type=int, help="public port")
+    add_flag(parser, "--head", default="",
+             help="the verify worker's trained head ('shipped': the one shipped for --target); the demo "
+                  "request then drafts with it")
     add_flag(parser, "--demo", default=True, type=bool, help="stream one request once serving")
     args = parser.parse_args(argv)
 
@@ -206,7 +209,8 @@ def main(argv=None) -> None:
     for spec in (args.target, args.draft):
         if spec and spec != "none":
             print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
-    stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port)
+    stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port,
+                  verify_args=["--head", args.head] if args.head else [])
     stack.start()
     print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
           f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})\n"
@@ -215,7 +219,8 @@ def main(argv=None) -> None:
         if args.demo:
             from tandem import client
             print(f"\n>>> {DEMO_PROMPT}\n", flush=True)
-            client.run(stack.address("gateway"), DEMO_PROMPT, chat=True, max_new_tokens=160)
+            client.run(stack.address("gateway"), DEMO_PROMPT, chat=True, max_new_tokens=160,
+                       method="head" if args.head else "")
         print("\nPress Ctrl-C to stop.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         while True:

@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--taps", default="", help="comma-separated target layers to read (default: four spread)")
     p.add_argument("--mask-token-id", type=int, default=-1, help="-1: an unused vocabulary row or special token")
+    p.add_argument("--draft-vocab", choices=["responses", "all"], default="responses",
+                   help="the tokens the head drafts from: those of the training responses (and end of "
+                        "sequence), or the whole vocabulary")
     # optimisation
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (sets the learning-rate schedule)")
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
@@ -130,10 +133,34 @@ def generate_responses(lm, tokenizer, records: list[dict], path: Path, max_new: 
 class Sequence:
     """One training sequence: ids, which positions are response, and the target's features."""
 
-    def __init__(self, row: dict, features: torch.Tensor, final: torch.Tensor) -> None:
+    def __init__(self, row: dict, features: torch.Tensor, final: torch.Tensor, lse: torch.Tensor | None = None) -> None:
         self.ids = torch.tensor(row["ids"])
         self.response = torch.arange(len(row["ids"])) >= row["prompt_len"]
         self.features, self.final = features, final           # [T, taps*H], [T, H] (float16)
+        self.lse = lse          # [T] logsumexp of the target's logits over the whole vocabulary
+
+
+class Vocab:
+    """The output layer's rows a head drafts from (all of them when ids is None): their weight,
+    and each token's row (-1 for a token outside)."""
+
+    def __init__(self, lm_head: torch.nn.Module, ids: torch.Tensor | None = None) -> None:
+        weight = getattr(lm_head, "weight", None)      # a packed layer (tandem.engine.gemm) may keep none
+        if ids is not None and weight is None:
+            raise ValueError("a draft vocabulary needs the output layer's weight")
+        self.module, self.ids = lm_head, ids
+        self.weight = None if weight is None else weight.detach() if ids is None else weight.detach()[ids].contiguous()
+        self.index = None
+        if ids is not None:
+            self.index = torch.full((weight.shape[0],), -1, dtype=torch.long)
+            self.index[ids] = torch.arange(len(ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.module(hidden) if self.weight is None else hidden @ self.weight.to(hidden.device).T
+        return out.float()
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens if self.index is None else self.index.to(tokens.device)[tokens]
 
 
 def target_features(engine, row: dict, taps: list[int], chunk: int = 512) -> Sequence:
@@ -143,18 +170,25 @@ def target_features(engine, row: dict, taps: list[int], chunk: int = 512) -> Seq
     cache = engine.new_cache(len(ids) + 1)
     hidden = engine.model.config.hidden_size
     states = tuple(i + 1 for i in taps) + (engine.model.config.num_hidden_layers,)
-    parts = [engine.forward(ids[i:i + chunk], cache, last=1, taps=states)[1] for i in range(0, len(ids), chunk)]
+    parts, lse = [], []
+    for i in range(0, len(ids), chunk):
+        logits, features = engine.forward(ids[i:i + chunk], cache, taps=states)
+        parts.append(features)
+        lse.append(torch.logsumexp(logits, -1))
     cache.release()
     f = torch.cat(parts).half()
-    return Sequence(row, f[:, :-hidden], f[:, -hidden:])
+    return Sequence(row, f[:, :-hidden], f[:, -hidden:], torch.cat(lse))
 
 
 # ---- stage 3: the loss --------------------------------------------------------------------------
 
 def block_outputs(head: BlockHead, embed, lm_head, seq: Sequence, anchors: torch.Tensor, device: str):
-    """Teacher-forced outputs for blocks at `anchors`: draft logits [A, W, V] (Markov bias from
-    the true previous tokens), the target's logits at the same predictions [A, W, V], labels
-    [A, W], valid [A, W] (inside the response, a contiguous prefix), confidence logits [A, W]."""
+    """Teacher-forced outputs for blocks at `anchors`, over the rows of `lm_head` (a Vocab, or the
+    output layer for all rows): draft logits [A, W, n] (Markov bias from the true previous
+    tokens), the target's log-probabilities of those rows at the same predictions [A, W, n], labels
+    [A, W] as rows (-1: a token outside them), valid [A, W] (inside the response, a contiguous
+    prefix), confidence logits [A, W]."""
+    vocab = lm_head if isinstance(lm_head, Vocab) else Vocab(lm_head)
     c = head.config
     W, T = c.block_size, len(seq.ids)
     ids = seq.ids.to(device)
@@ -170,25 +204,31 @@ def block_outputs(head: BlockHead, embed, lm_head, seq: Sequence, anchors: torch
     inside = label_at < T
     safe = label_at.clamp(max=T - 1)
     valid = (inside & seq.response.to(device)[safe]).int().cumprod(-1).bool()
-    labels = ids[safe]
-    prev = torch.cat([ids[anchors][:, None], labels[:, :-1]], 1)                           # [A, W]
-    logits = lm_head(hidden).float().view(len(anchors), W, -1)
-    bias = head.markov_bias(prev)
-    if bias is not None:
-        logits = logits + bias
+    tokens = ids[safe]
+    prev = torch.cat([ids[anchors][:, None], tokens[:, :-1]], 1)                           # [A, W]
+    logits = vocab.logits(hidden).view(len(anchors), W, -1)
+    if head.markov_head is not None:
+        w2 = head.markov_head.markov_w2.weight
+        logits = logits + head.markov_head.markov_w1(prev) @ (w2 if vocab.ids is None else w2[vocab.ids]).T
     with torch.no_grad():
-        target = lm_head(seq.final.to(device).float()[safe - 1]).float()                   # [A, W, V]
+        target = vocab.logits(seq.final.to(device).float()[safe - 1])                      # [A, W, n]
+        if vocab.ids is None:
+            target = torch.log_softmax(target, -1)
+        else:
+            target = target - seq.lse.to(device)[safe - 1][..., None]
     conf = head.confidence_logits(hidden.view(len(anchors), W, -1), prev)
-    return logits, target, labels, valid, conf
+    return logits, target, vocab.rows(tokens), valid, conf
 
 
 def dspark_loss(logits, target, labels, valid, conf, args) -> tuple[torch.Tensor, dict]:
     W = logits.shape[1]
     weights = valid.float() * torch.exp(-torch.arange(W, device=logits.device).float() / args.gamma)
     total = weights.sum().clamp_min(1e-6)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(weights)
-    q, p = torch.softmax(logits, -1), torch.softmax(target, -1)
-    l1 = (q - p).abs().sum(-1)
+    # q lives on the rows only, so the L1 distance to the target's p over the whole vocabulary is
+    # the rows' part plus p's mass outside them (nothing when the rows are all of it).
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-1).view_as(weights)
+    q, p = torch.softmax(logits, -1), target.exp()
+    l1 = (q - p).abs().sum(-1) + (1.0 - p.sum(-1)).clamp_min(0)
     accept = (1.0 - 0.5 * l1).clamp(0, 1).detach()
     loss = args.ce_alpha * (ce * weights).sum() / total + args.l1_alpha * (l1 * weights).sum() / total
     parts = {"ce": float((ce * weights).sum().detach() / total), "l1": float((l1 * weights).sum().detach() / total)}
@@ -202,7 +242,8 @@ def dspark_loss(logits, target, labels, valid, conf, args) -> tuple[torch.Tensor
 @torch.no_grad()
 def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins: int = 10) -> dict:
     """Greedy acceptance on held-out sequences, every anchor: a block position is accepted when it
-    and every position before it equal the target's own argmax. Returns mean accepted length
+    and every position before it equal the sequence's token, the target's own greedy choice (the
+    responses are its greedy output through the serving engine). Returns mean accepted length
     (tokens per round, the bonus token included), acceptance by position, and calibration of the
     predicted chance of reaching each position (cumulative product of confidences)."""
     head.eval()
@@ -216,8 +257,8 @@ def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins:
     for seq in sequences:
         cands = torch.nonzero(seq.response[1:]).flatten()
         for chunk in cands.split(128):
-            logits, target, _, valid, conf = block_outputs(head, embed, lm_head, seq, chunk.to(device), device)
-            match = (logits.argmax(-1) == target.argmax(-1)) & valid
+            logits, _, labels, valid, conf = block_outputs(head, embed, lm_head, seq, chunk.to(device), device)
+            match = (logits.argmax(-1) == labels) & valid
             prefix = match.int().cumprod(-1).float().cpu()                  # [A, W]
             valid = valid.cpu()
             accepted_sum += float(prefix.sum())
@@ -311,6 +352,12 @@ def main(argv=None) -> None:
                               args.max_new_tokens, args.gen_batch)
     train_rows, held_rows = rows[:len(train_prompts)], rows[len(train_prompts):]
     train_rows = [r for r in train_rows if len(r["ids"]) - r["prompt_len"] >= 2]
+    if state is not None and state.get("draft_vocab") is not None:
+        head.draft_vocab = state["draft_vocab"]
+    elif args.draft_vocab == "responses":
+        seen = {t for r in train_rows for t in r["ids"][r["prompt_len"]:]} | set(engine.eos_ids)
+        head.draft_vocab = torch.tensor(sorted(seen))
+    rows_out = Vocab(lm_head, head.draft_vocab)
     held = [target_features(engine, r, config.target_layer_ids)
             for r in tqdm(held_rows, desc="held-out features", file=sys.stderr)]
     cache: dict[int, Sequence] = {}
@@ -326,7 +373,8 @@ def main(argv=None) -> None:
         if evaluated is not None:
             log_file.write(json.dumps({"step": step, "eval": evaluated}) + "\n")
             log_file.flush()
-        torch.save({"config": config.to_dict(), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+        torch.save({"config": config.to_dict(), "head": head.state_dict(), "draft_vocab": head.draft_vocab,
+                    "optimizer": optimizer.state_dict(),
                     "step": step, "rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_file)
 
     started = time.monotonic()
@@ -347,7 +395,7 @@ def main(argv=None) -> None:
             seq = sequence(order.pop())
             cands = torch.nonzero(seq.response[1:]).flatten()
             pick = cands[torch.randperm(len(cands))[:args.anchors]].sort().values.to(args.device)
-            loss, parts = dspark_loss(*block_outputs(head, embed, lm_head, seq, pick, args.device), args)
+            loss, parts = dspark_loss(*block_outputs(head, embed, rows_out, seq, pick, args.device), args)
             (loss / args.batch).backward()
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v / args.batch
@@ -359,12 +407,12 @@ def main(argv=None) -> None:
         log_file.write(json.dumps({"step": step, "lr": lr_at(step - 1, args), **parts_sum,
                                    "seconds": round(time.monotonic() - started, 1)}) + "\n")
         if step % args.eval_every == 0:
-            evaluated = evaluate(head, embed, lm_head, held, args.device)
+            evaluated = evaluate(head, embed, rows_out, held, args.device)
             tqdm.write(f"step {step}: held-out mean accepted length {evaluated['mean_accepted_length']:.3f}",
                        file=sys.stderr)
             checkpoint_now(evaluated)
     bar.close()
-    evaluated = evaluate(head, embed, lm_head, held, args.device)
+    evaluated = evaluate(head, embed, rows_out, held, args.device)
     checkpoint_now(evaluated)
     trained = {"command": "python -m tandem.train_head " + " ".join(portable(argv if argv is not None else sys.argv[1:])),
                "steps": step, "train_sequences": len(train_rows),

@@ -601,3 +601,53 @@ def test_the_confidence_head_decides_the_confidence(target):
         other.markov_head.markov_w2.weight.mul_(-1)   # same Markov bias, other embedding
     a, b = drafts(target, head), drafts(target, other)
     assert [x[0] for x in a] == [x[0] for x in b] and [x[1] for x in a] != [x[1] for x in b]
+
+
+def test_a_draft_vocabulary_restricts_drafting_and_keeps_the_loss_exact(target, prompts, tmp_path):
+    """A head drafting from part of the vocabulary: the file keeps the part, every drafted token and
+    every candidate of q lies in it, the training forward agrees with the drafter over those rows,
+    and the L1 term over the rows plus the target's mass outside them is the L1 distance over the
+    whole vocabulary (q is zero outside)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.train_head import Vocab, block_outputs, dspark_loss, parse_args, target_features
+    hf = AutoModelForCausalLM.from_pretrained(target[0]).eval()          # unpacked: its weight is at hand
+    head = random_head(tiny_config(target))
+    vocab = torch.tensor(sorted(random.Random(0).sample(range(320), 40)))
+    head.draft_vocab = vocab
+    path = tmp_path / "v.safetensors"
+    checkpoint.save(head, path)
+    loaded, _ = checkpoint.load(path)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    drafter = HeadDrafter(loaded, hf.get_input_embeddings(), hf.get_output_embeddings(), candidates=8)
+    ids = prompts[0] + prompts[1] + prompts[2]
+    seq = target_features(target[1], {"ids": ids, "prompt_len": 0}, drafter.taps)
+    rows = Vocab(hf.get_output_embeddings(), vocab)
+    inside = set(vocab.tolist())
+    g = torch.Generator().manual_seed(0)
+    for a in (2, len(ids) - BLOCK - 2):
+        ctx = drafter.new_context()
+        drafter.extend(ctx, seq.features[:a].float())
+        greedy = drafter.draft(ctx, ids[a], BLOCK)
+        assert set(greedy.tokens) <= inside
+        sampled = drafter.draft(ctx, ids[a], BLOCK, temperature=1.0, generator=g)
+        for cands, probs in sampled.support:
+            assert set(cands.tolist()) <= inside and float(probs.sum()) == pytest.approx(1.0, abs=1e-5)
+        with torch.no_grad():
+            logits, logp, labels, valid, _ = block_outputs(loaded, drafter.embed, rows, seq, torch.tensor([a]), "cpu")
+        assert int(vocab[int(logits[0, 0].argmax())]) == greedy.tokens[0]
+        assert labels[0, 0] == (vocab.tolist().index(ids[a + 1]) if ids[a + 1] in inside else -1)
+        with torch.no_grad():
+            full = torch.log_softmax(hf(torch.tensor([ids])).logits[0, a].float(), -1)
+        torch.testing.assert_close(logp[0, 0], full[vocab], atol=2e-3, rtol=0)
+        # the L1 term: the rows' part plus what p puts outside them == the distance over all tokens
+        _, parts = dspark_loss(logits[:, :1], logp[:, :1], labels[:, :1], valid[:, :1], None, parse_args(["--out", "x"]))
+        q_full = torch.zeros(320).index_put_((vocab,), torch.softmax(logits[0, 0], -1))
+        assert parts["l1"] == pytest.approx(float((q_full - full.exp()).abs().sum()), abs=5e-3)
+    bad = rewrite(path, tmp_path / "b.safetensors")
+    with safe_open(str(bad), "pt") as f:
+        tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+    tensors["draft_vocab"] = torch.tensor([5, 320])
+    save_file(tensors, str(bad), metadata=meta)
+    with pytest.raises(HeadFileError, match="draft_vocab must be token ids inside the vocabulary"):
+        checkpoint.load(bad)

@@ -8,7 +8,8 @@ Tandem's own format is one safetensors file:
             layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
             norm.weight, markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [V, r],
             confidence_head.proj.weight, confidence_head.proj.bias), stored as bfloat16 and run as
-            float32. The target's embedding table and output layer are never stored.
+            float32; optionally draft_vocab [n] int64, the token ids the head drafts from (all
+            without it). The target's embedding table and output layer are never stored.
 
 A DeepSpec checkpoint is a folder with config.json and model.safetensors (or
 pytorch_model.safetensors) under the same parameter names, possibly prefixed "model.", and
@@ -38,6 +39,8 @@ class HeadFileError(ValueError):
 def save(head: BlockHead, path: Path | str, target: str = "", trained: dict | None = None) -> str:
     """Writes the head; returns the file's sha256."""
     tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in head.state_dict().items()}
+    if head.draft_vocab is not None:
+        tensors["draft_vocab"] = head.draft_vocab.to(torch.int64).contiguous()
     metadata = {"format": FORMAT, "config": json.dumps(head.config.to_dict()), "target": target,
                 "trained": json.dumps(trained or {})}
     path = Path(path)
@@ -68,8 +71,17 @@ def load(path: Path | str) -> tuple[BlockHead, dict]:
     if meta.get("format") != FORMAT:
         raise HeadFileError(f"{path.name} is not a Tandem head file (format {meta.get('format')!r})")
     config = _config(meta.get("config", ""), path.name)
-    return _build(config, tensors, path.name), {"target": meta.get("target", ""),
-                                                "trained": json.loads(meta.get("trained") or "{}")}
+    vocab = tensors.pop("draft_vocab", None)
+    head = _build(config, tensors, path.name)
+    if vocab is not None:
+        if vocab.dim() != 1 or vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size:
+            raise HeadFileError(f"{path.name}: draft_vocab must be token ids inside the vocabulary")
+        head.draft_vocab = vocab.long()
+    try:
+        trained = json.loads(meta.get("trained") or "{}")
+    except ValueError:
+        trained = {}
+    return head, {"target": meta.get("target", ""), "trained": trained}
 
 
 def _load_deepspec(folder: Path) -> tuple[BlockHead, dict]:

@@ -7,7 +7,8 @@ context always covers the committed tokens but the last (the anchor, not yet fed
 
 A draft is one forward pass of the head over the block (anchor + mask tokens), then the block's
 positions are decided left to right: the base logits of each position (one product with the
-target's output layer for the whole block) are cut to their `candidates` likeliest tokens, the
+target's output layer for the whole block, only its rows of the head's draft vocabulary when it
+has one) are cut to their `candidates` likeliest tokens, the
 Markov head adds its bias from the token drafted before, and the token is the argmax (greedy) or a
 sample at the request's temperature. q, the distribution a position was sampled from, is exactly
 that softmax over the candidates, which is what rejection sampling needs to stay lossless.
@@ -71,6 +72,15 @@ class HeadDrafter:
         self.embed, self.lm_head = embed, lm_head
         self.candidates = candidates
         self.config = head.config
+        # The output layer's rows of the draft vocabulary, when the head has one and the layer's
+        # weight is at hand (a packed untied layer keeps none: then the head drafts from all).
+        self.vocab = head.draft_vocab
+        weight = getattr(lm_head, "weight", None)
+        self.vocab_weight = None
+        if self.vocab is not None and weight is not None:
+            self.vocab_weight = weight.detach()[self.vocab].float().contiguous()
+        else:
+            self.vocab = None
 
     @property
     def taps(self) -> list[int]:
@@ -105,13 +115,17 @@ class HeadDrafter:
         ids = torch.tensor([anchor] + [c.mask_token_id] * (c.block_size - 1))
         positions = torch.arange(ctx.length, ctx.length + c.block_size)
         hidden = head.backbone(self.embed(ids).float(), positions, ctx.view(), None)[:k]   # [k, H]
-        base = self.lm_head(hidden).float()                                                 # [k, V]
+        if self.vocab is not None:
+            base = hidden @ self.vocab_weight.T                                             # [k, n]
+        else:
+            base = self.lm_head(hidden).float()                                             # [k, V]
         top = base.topk(min(self.candidates, base.shape[-1]), dim=-1)
+        top_ids = top.indices if self.vocab is None else self.vocab[top.indices]
         markov = head.markov_head
         tokens, confidence, support = [], [], []
         prev = anchor
         for j in range(k):
-            cands, logits = top.indices[j], top.values[j]
+            cands, logits = top_ids[j], top.values[j]
             prev_t = torch.tensor([prev])
             if markov is not None:
                 logits = logits + markov.markov_w2.weight[cands] @ markov.markov_w1.weight[prev]

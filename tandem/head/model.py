@@ -15,6 +15,11 @@ shared and frozen: the head owns only its layers, its norms and two small heads:
 - a confidence head (one linear layer over the position's hidden state and the previous token's
   Markov embedding) predicts the probability that the target accepts the position.
 
+A head may draft from a subset of the vocabulary only (`draft_vocab`, as EAGLE-3's reduced draft
+vocabulary): its logits are products with those rows of the output layer alone, which makes
+training and drafting several times cheaper with a large vocabulary. The target still judges every
+proposal against its whole vocabulary, so the subset changes acceptance, never the output.
+
 Parameter names and the configuration's field names are DeepSpec's (`deepspec/modeling/dspark`),
 so a checkpoint laid out as theirs loads with `tandem.head.checkpoint`.
 """
@@ -212,6 +217,7 @@ class BlockHead(nn.Module):
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.markov_head = Markov(c) if c.markov_rank > 0 else None
+        self.draft_vocab: torch.Tensor | None = None      # token ids it drafts from; None: all
         self.confidence_head = None
         if c.enable_confidence_head:
             width = c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0)
