@@ -141,7 +141,8 @@ def print_head(result: dict) -> None:
             print(f"| {m} | {s['tok_s_total']:.2f} | {s['speedup']:.2f}x ({s['speedup_median']:.2f}x) | {acc} | {mal} "
                   f"| {s['output_equals_none']}/{s['runs']} |")
     o = result["offline"]
-    print(f"\nhead pass (block of {o['block_size']}, Markov sampling, confidences): {o['head_ms_median']:.1f} ms; "
+    print(f"\nround follow-up (verdict, context update, head pass over a block of {o['block_size']}): "
+          f"{o['head_ms_median']:.1f} ms; "
           f"verify pass of the whole block: {o['verify_ms_median']:.1f} ms; plain decode step {o['plain_step_ms']:.1f} ms")
     print("\n| position | rounds | predicted reach | observed reach | ECE |")
     print("| --- | --- | --- | --- | --- |")
