@@ -62,3 +62,32 @@ def test_real_model_penalty_and_logprobs_equal_transformers(smollm):
         errors = [abs(r.logprob - float(row[t])) for r, row, t in zip(reports, logp, out)]
         assert len(errors) == len(out) and max(errors) < 1e-3, max(errors)
         assert drafted > 0
+
+
+def test_real_model_with_the_shipped_head_equals_transformers(smollm):
+    """The head shipped for SmolLM2 drafts beside it (chat prompts, as it was trained): greedy
+    output equals transformers' generate on a model loaded apart from the service's, and the head
+    is right often enough to matter (it was trained; an untrained one is tested in test_head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.modeling import resolve
+    from tandem.head.checkpoint import load_drafter
+    from tests.local import speculate_head
+    from verify_worker.headspec import HeadSpeculation
+    model, tok = smollm
+    oracle = AutoModelForCausalLM.from_pretrained(resolve(PRESET), dtype=torch.float32).eval()
+    spec = HeadSpeculation(load_drafter("shipped", model, PRESET), VerifyEngine(model))
+    drafted = accepted = 0
+    for question in ("Write a Python function that returns the largest of three numbers.",
+                     "What is the difference between a list and a tuple?"):
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        out, d, a = speculate_head(VerifyEngine(model), spec, ids, SamplingParams(max_new_tokens=48))
+        with torch.no_grad():
+            ref = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=48, pad_token_id=tok.eos_token_id)
+        want = ref[0, len(ids):].tolist()
+        assert out == want[:len(out)] and len(out) == len(want) - (want[-1] in model.eos_ids), question
+        drafted, accepted = drafted + d, accepted + a
+    assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
