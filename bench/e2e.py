@@ -10,8 +10,7 @@ speculation on and off.
 And structured output (bench/guided.py): JSON Schema extraction with and without jump-forward, set
 against the same prompts' free-text speed-up, and the guide's masks' share of a round.
 
-And the trained head (bench/head.py): SmolLM2-135M-Instruct with its shipped head, none / ngram /
-head on the bench's prompts and on held-out ones, the head's cost per round and its calibration.
+And the trained head (bench/head.py): SmolLM2-135M-Instruct with its shipped head, none / ngram / head.
 
 Prints tables and writes JSON to bench/results/.
 """
@@ -181,10 +180,8 @@ def main(argv=None) -> None:
                    help=f"guided: per request (default {FULL['guided_max_new_tokens']})")
     p.add_argument("--guided-repeats", type=int,
                    help=f"guided: passes over the prompts (default {FULL['guided_repeats']})")
-    p.add_argument("--head-heldout", type=int,
-                   help=f"head: held-out prompts, half code and half chat (default {FULL['head_heldout']})")
-    p.add_argument("--head-max-new-tokens", type=int,
-                   help=f"head: per request (default {FULL['head_max_new_tokens']})")
+    p.add_argument("--head-heldout", type=int, help=f"head: held-out prompts (default {FULL['head_heldout']})")
+    p.add_argument("--head-max-new-tokens", type=int, help=f"head: per request (default {FULL['head_max_new_tokens']})")
     p.add_argument("--head", default="shipped", help="head: the verify worker's --head")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
@@ -240,7 +237,6 @@ def main(argv=None) -> None:
     if "guided" in sections:
         mask_costs(result["guided"], a.target)
     if "head" in sections:      # its own stack: SmolLM2 and its shipped head, whatever --target says
-        print("head:", flush=True)
         result["head"] = head_section(PROMPTS[:a.prompts], a.head_heldout, a.head_max_new_tokens, a.threads,
                                       a.head, a.ngram_k)
     if "models" in sections:

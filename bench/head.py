@@ -42,6 +42,7 @@ def prompt_sets(bench_prompts: list[str], heldout: int) -> dict[str, list[str]]:
 
 def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, threads: int,
                  head: str = "shipped", ngram_k: int = 16) -> dict:
+    print("head:", flush=True)
     sets = prompt_sets(bench_prompts, heldout)
     runs: dict[str, dict[str, list]] = {name: {m: [] for m in METHODS} for name in sets}
     with Stack(TARGET, "none", threads=threads, verify_args=["--head", head]) as stack, \
