@@ -445,10 +445,16 @@ def kinds(v, valid) -> set[str]:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("cls", list(NEW_FIELDS), ids=lambda c: c.DESCRIPTOR.full_name)
-def test_generic_strategy_reaches_every_new_field_with_hostile_values(cls):
+def test_generic_strategy_reaches_every_new_field_with_hostile_values(cls, monkeypatch):
     """In as many examples as the fuzz draws, the descriptor-driven strategy above sets each new
     field (nested ones included): floats non-finite and out of their range, integers past their
-    limits. Derandomized: a fixed sequence, never a flake."""
+    limits. Derandomized, and without the constants hypothesis collects from the project's modules
+    imported so far (they would make the sequence depend on which tests ran before): a fixed
+    sequence, never a flake."""
+    from hypothesis.internal.conjecture import providers
+    fixed = providers.Constants()
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: fixed)
+    providers.CONSTANTS_CACHE.cache.clear()
     fields = NEW_FIELDS[cls]
     seen: dict[str, set] = {path: set() for path in fields}
 

@@ -89,6 +89,7 @@ async def main(args: argparse.Namespace) -> None:
             head = HeadSpeculation(load_drafter(args.head, model, args.model), engine)
         except HeadFileError as e:
             raise SystemExit(f"--head: {e}") from None
+        metrics.register("verify_worker_head")
         metrics.declare_methods([HEAD])
     grammars = Grammars(load_tokenizer(args.model), model.vocab_size, model.eos_ids, max_chars=args.max_guide_chars)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name], args)

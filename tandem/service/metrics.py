@@ -107,9 +107,9 @@ _OWNED = {
                      SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, PIPELINED],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
                       PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
-                      KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS,
-                      # a verify worker with a trained head drafts too (method "head")
-                      PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
+                      KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS],
+    # what a verify worker with a trained head adds: it drafts too (method "head")
+    "verify_worker_head": [PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
 }
 SERVICES = tuple(_OWNED)
 
