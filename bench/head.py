@@ -79,6 +79,7 @@ def offline(texts: list[str], head: str, threads: int, max_new_tokens: int, bins
     from tandem.engine.modeling import CausalLM, load_tokenizer
     from tandem.head.checkpoint import load_drafter
     from tandem.speculation.sampling import SamplingParams
+    from tests.local import open_head_session
     from verify_worker.engine import VerifyEngine
     from verify_worker.headspec import HeadSpeculation
 
@@ -93,10 +94,7 @@ def offline(texts: list[str], head: str, threads: int, max_new_tokens: int, bins
     for text in texts:
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         ids = tok(chat, add_special_tokens=False)["input_ids"]
-        s = engine.open("bench", ids, SamplingParams(max_new_tokens=max_new_tokens), reuse_prefix=False)
-        s.head = spec.open(s)
-        for piece in engine.prefill_chunks(s, 512):
-            spec.prefill_then(s, s.head, lambda logits: None)(model.forward(piece, s.cache, last=1, taps=spec.taps))
+        s = open_head_session(engine, spec, ids, SamplingParams(max_new_tokens=max_new_tokens), "bench")
         start = time.perf_counter()
         spec.draft(s, s.head)
         draft_s.append(time.perf_counter() - start)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.head import checkpoint
-from tandem.head.model import BlockHead, HeadConfig, block_mask
+from tandem.head.model import BlockHead, HeadConfig, block_mask, state_indices
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,7 +169,7 @@ def target_features(engine, row: dict, taps: list[int], chunk: int = 512) -> Seq
     ids = row["ids"]
     cache = engine.new_cache(len(ids) + 1)
     hidden = engine.model.config.hidden_size
-    states = tuple(i + 1 for i in taps) + (engine.model.config.num_hidden_layers,)
+    states = state_indices(taps) + (engine.model.config.num_hidden_layers,)
     parts, lse = [], []
     for i in range(0, len(ids), chunk):
         logits, features = engine.forward(ids[i:i + chunk], cache, taps=states)

@@ -55,10 +55,7 @@ def reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> lis
 def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: SamplingParams) -> tuple[list[int], int, int]:
     """The verify worker's head rounds (verify_worker.headspec) in one process: the same session
     steps and follow-ups, each step fed alone. Returns (generated tokens, drafted, accepted)."""
-    s = engine.open("local", prompt, params, reuse_prefix=False)
-    s.head = spec.open(s)
-    for piece in engine.prefill_chunks(s, 1 << 30):
-        spec.prefill_then(s, s.head, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    s = open_head_session(engine, spec, prompt, params)
     spec.draft(s, s.head)
     drafted = accepted = 0
     while not s.stop_reason:
@@ -67,3 +64,13 @@ def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: Sampli
         drafted += len(proposed)
         accepted += v.accepted
     return s.tokens[len(prompt):], drafted, accepted
+
+
+def open_head_session(engine: VerifyEngine, spec, prompt: list[int], params: SamplingParams, session_id: str = "local"):
+    """A session opened and prefilled as the verify worker does for draft method "head": no KV
+    reused, every prompt position's states handed to the head. Its first block is not drafted yet."""
+    s = engine.open(session_id, prompt, params, reuse_prefix=False)
+    s.head = spec.open(s)
+    for piece in engine.prefill_chunks(s, 512):
+        spec.prefill_then(s, s.head, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    return s

@@ -660,12 +660,9 @@ def table_spec(head_setup, exact: dict[tuple, float], path):
 def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Counter) -> tuple:
     """One session's first T tokens (PAD after its end) through the head rounds; counts each
     round's accepted tokens into `seen`."""
+    from tests.local import open_head_session
     engine = spec.engine
-    s = engine.open("head", prompt, params, reuse_prefix=False)
-    s.head = spec.open(s)
-    for piece in engine.prefill_chunks(s, 1 << 30):
-        spec.prefill_then(s, s.head, lambda logits: None)(
-            engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    s = open_head_session(engine, spec, prompt, params, "head")
     spec.draft(s, s.head)
     while len(s.tokens) - len(prompt) < T and not s.stop_reason:
         step, proposed = spec.step(s, s.head)

@@ -24,6 +24,7 @@ import torch
 
 from tandem.engine.batcher import Step
 from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k
+from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.sampling import make_generator
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
@@ -44,7 +45,7 @@ class HeadSession:
 class HeadSpeculation:
     def __init__(self, drafter: HeadDrafter, engine: VerifyEngine) -> None:
         self.drafter, self.engine = drafter, engine
-        self.taps = tuple(i + 1 for i in drafter.taps)    # indices into the target's hidden states
+        self.taps = state_indices(drafter.taps)           # indices into the target's hidden states
         self.draft_ms = 0.0                                # running mean of one head pass
 
     def open(self, s: TargetSession) -> HeadSession:

@@ -17,6 +17,8 @@ that softmax over the candidates, which is what rejection sampling needs to stay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 
 import torch
 
@@ -52,9 +54,6 @@ class HeadContext:
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[:, :self.length], v[:, :self.length]) for k, v in zip(self.k, self.v)]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
 
 @dataclass
 class HeadDraft:
@@ -85,11 +84,6 @@ class HeadDrafter:
     @property
     def taps(self) -> list[int]:
         return self.config.target_layer_ids
-
-    def features(self, hidden_states) -> torch.Tensor:
-        """The tapped features [n, taps * hidden] of one sequence from a transformers forward's
-        hidden_states (index 0 the embeddings, i + 1 the output of layer i), batch row 0."""
-        return torch.cat([hidden_states[i + 1][0] for i in self.taps], -1).float()
 
     def new_context(self, capacity: int = 256) -> HeadContext:
         c = self.config
@@ -147,16 +141,10 @@ def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0
     (1 + sum over j < k of the chance positions 0..j are all accepted) / (head_ms + pass_ms[k]),
     with pass_ms[i] a verify pass feeding i + 1 tokens (the worker's calibrated curve). Without a
     curve, every position whose chance of being reached stays at least `floor`."""
-    reach, expected = 1.0, [1.0]
-    for c in confidence:
-        reach *= c
-        expected.append(expected[-1] + reach)
+    reach = list(accumulate(confidence, mul))          # [j]: the chance positions 0..j are all accepted
     if not pass_ms:
-        chances, r = [], 1.0
-        for c in confidence:
-            r *= c
-            chances.append(r)
-        return sum(1 for r in chances if r >= floor)
+        return sum(1 for r in reach if r >= floor)
+    expected = list(accumulate(reach, initial=1.0))     # [k]: expected tokens from a proposal of k
     best, best_rate = 0, 0.0
     for k in range(min(len(confidence), len(pass_ms) - 1) + 1):
         rate = expected[k] / (head_ms + pass_ms[k])

@@ -105,6 +105,12 @@ class HeadConfig:
             raise ValueError("confidence_head_with_markov needs markov_rank > 0")
 
 
+def state_indices(layer_ids: list[int]) -> tuple[int, ...]:
+    """Where the tapped layers' outputs sit among a transformers forward's hidden states: index 0
+    is the embeddings (DeepSpec's layer -1), i + 1 the output of layer i."""
+    return tuple(i + 1 for i in layer_ids)
+
+
 def _rope_theta(config) -> float:
     theta = getattr(config, "rope_theta", None)
     if theta is None:
