@@ -36,8 +36,15 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
     add_flag(parser, "--pipeline", default=False, type=bool,
-             help="draft the next proposal while the verify worker checks this one (assuming it is "
-                  "all accepted); pays off when draft and verify run on separate hardware")
+             help="greedy requests: draft the next proposal while the verify worker checks this one, on the "
+                  "guess that it is all accepted, stopping as soon as the verdict says otherwise; pays off "
+                  "when draft and verify workers run on hardware of their own")
+    add_flag(parser, "--verify-route", default="",
+             help="comma-separated ADDRESS=VIA pairs: dial VIA where a verify worker registered ADDRESS "
+                  "(a proxy or tunnel on the link between the pools)")
+    add_flag(parser, "--link-timeout", default=1.0, type=float,
+             help="seconds to wait for a connection to a verify worker before giving a request back to the "
+                  "gateway, which then decodes it on that worker without speculation")
     add_kv_flags(parser, default_tokens=16384)
     add_flag(parser, "--max-batch-tokens", default=512, type=int,
              help="most tokens (all sessions' draft steps) in one batched forward pass of the draft model")
@@ -48,8 +55,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_routes(text: str) -> dict[str, str]:
+    """--verify-route's ADDRESS=VIA pairs."""
+    routes = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        address, sep, via = pair.partition("=")
+        if not sep or not address or not via:
+            raise SystemExit(f"--verify-route: expected ADDRESS=VIA pairs separated by commas, got {pair!r}")
+        routes[address] = via
+    return routes
+
+
 async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
+    if args.link_timeout <= 0:
+        raise SystemExit(f"--link-timeout must be positive, got {args.link_timeout}")
     check_kv_flags(args)
     check_guide_flags(args)
     grammars = None
@@ -80,7 +100,8 @@ async def main(args: argparse.Namespace) -> None:
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
                              batcher=batcher, pipeline=args.pipeline, grammars=grammars,
-                             compile_timeout=args.guide_compile_timeout, jump_forward=args.jump_forward)
+                             compile_timeout=args.guide_compile_timeout, jump_forward=args.jump_forward,
+                             routes=parse_routes(args.verify_route), link_timeout=args.link_timeout)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

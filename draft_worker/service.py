@@ -27,11 +27,15 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
                  inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
                  pipeline: bool = False, grammars: Grammars | None = None, compile_timeout: float = 10.0,
-                 jump_forward: bool = True) -> None:
+                 jump_forward: bool = True, routes: dict[str, str] | None = None, link_timeout: float = 1.0) -> None:
+        """routes: the address to dial for a verify worker's registered one, where they differ.
+        link_timeout: how long a request waits for a connection to its verify worker."""
         self.drafters = drafters
         self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size, grammars,
                                  compile_timeout, jump_forward)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.routes = routes or {}
+        self.link_timeout = link_timeout
         # by (method, verify worker), then kind of proposal: acceptance by position over recent
         # sessions, a new session's prior
         self._acceptance: dict[tuple[str, str], dict[object, Survival]] = {}
@@ -39,10 +43,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
         metrics.declare_methods([*drafters, JUMP_FORWARD])
 
-    def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub:
+    async def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub | None:
+        """A stub for the verify worker registered at `address`; None when no connection to it is
+        up within the link timeout (a partition, a stalled link)."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = traced_channel(address)
+            channel = self._channels[address] = traced_channel(self.routes.get(address, address))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.link_timeout)
+        except asyncio.TimeoutError:
+            return None
         return pb_grpc.VerifyServiceStub(channel)
 
     async def close(self) -> None:
@@ -62,8 +72,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             params = wire.check_params(wire.params_from_proto(request.sampling))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call = self._verify_stub(request.verify_address).Verify(timeout=context.time_remaining(),
-                                                                metadata=logs.outgoing_metadata())
+        stub = await self._verify_stub(request.verify_address)
+        if stub is None:
+            metrics.LINK_EVENTS.labels("unreachable").inc()
+            log.warning("no connection to verify worker %s within %.1fs", request.verify_address, self.link_timeout)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"verify worker: no connection within {self.link_timeout:g}s",
+                                trailing_metadata=wire.FAILED_VERIFY)
+        call = stub.Verify(timeout=context.time_remaining(), metadata=logs.outgoing_metadata())
         spec = self.sessions[id(context)] = Speculation(self.drafting, drafter, request, params, call)
         try:
             try:
@@ -78,7 +94,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 "verify_worker": request.verify_address}})
             await spec.finish()
         except grpc.aio.AioRpcError as e:
-            # Marked, so the gateway moves the session off that verify worker, not off this one.
+            # Marked, so the gateway moves the session off that verify worker (or, when the worker
+            # itself still answers it, decodes on there without speculation), not off this one.
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                metrics.LINK_EVENTS.labels("lost").inc()
             await self._relay(context, request.verify_address, e.code(), e.details())
         except VerifyClosed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=wire.FAILED_VERIFY)

@@ -1,9 +1,8 @@
 """One request's speculation against its verify worker: a round is propose -> send -> apply verdict.
 
-Per round: the drafter proposes k tokens (inference thread), the Proposal goes to the verify
-worker, its Verdict extends the context with the accepted + bonus tokens, and those go to the
-gateway as one TokenChunk. The drafter rolls its own cache back on the next propose, from the
-context it is given.
+The drafter proposes k tokens (inference thread), the verify worker's Verdict extends the context
+with the accepted + bonus tokens, which go to the gateway as one TokenChunk; the drafter rolls its
+cache back on the next propose. With --pipeline the next proposal is drafted ahead (ahead.py).
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from draft_worker.ahead import Ahead
 from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
-from draft_worker.drafters import Draft, Drafter, DraftState
+from draft_worker.drafters import Draft, Drafter, DraftState, KeepGoing
 from tandem.engine.batcher import Batcher
 from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
@@ -66,7 +66,7 @@ class Speculation:
         self.grammar: Matcher | None = None           # the guide's state after self.tokens
         self.control: SpeculationController | None = None
         self.pending: asyncio.Future | None = None    # the next proposal being drafted
-        self.ahead: asyncio.Future | None = None      # the one after it, drafted while this one is verified
+        self.ahead: Ahead | None = None               # the one after it, drafted while this one is verified
         self.rounds = self.drafted = self.accepted = 0
 
     async def open(self, prior: dict[object, Survival]) -> pb.Opened:
@@ -131,6 +131,8 @@ class Speculation:
                 else:
                     verdict, rtt_s = await self._send(draft, run)
                     owed = run - 1
+                    if self.ahead is not None:
+                        self.ahead.verdict = verdict       # a wrong guess stops drafting now
                 arrived = time.perf_counter()
                 if span is not None:
                     span.set_attributes(telemetry.round_attributes(
@@ -159,11 +161,19 @@ class Speculation:
         control = self.control
         if control is not None and len(draft.tokens) > draft.forced:
             draft = draft.prefix(draft.forced + control.fit(len(draft.tokens) - draft.forced, draft.kind))
-        if self.drafting.pipeline and draft.tokens and self.drafter.uses_model and self.grammar is None:
-            # While the target verifies, draft on as if it accepted everything: the draft's own
-            # next token is its guess of the bonus token.
-            self.ahead = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1)
+        if draft.tokens and self._drafts_ahead():
+            self.ahead = Ahead(len(draft.tokens))
+            self.ahead.job = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1,
+                                           self.ahead.keep_going)
         return draft, control.plain_run() if control is not None and not draft.tokens else 1
+
+    def _drafts_ahead(self) -> bool:
+        """Whether to draft the next proposal while the target verifies this one: with a draft model
+        (n-gram lookup costs nothing to redo), and for greedy requests without a guide only. A
+        sampled draft drawn ahead would take its random numbers before the verdict, so a seed's
+        output would depend on which verdicts came back; a guide's matcher follows the verdicts."""
+        return (self.drafting.pipeline and self.drafter.uses_model and self.params.greedy
+                and self.grammar is None)
 
     def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> tuple[int, int, int]:
         """Takes in a verdict: the context grows by its tokens, the counts and the controller learn
@@ -190,30 +200,29 @@ class Speculation:
         return checked, forced, forced_accepted
 
     async def _next_proposal(self, draft: Draft, verdict: pb.Verdict) -> asyncio.Future:
-        """The next proposal, drafting while the last chunk travels to the gateway. A pipelined
-        draft (`ahead`) is used when the target accepted the whole proposal and its bonus token is
-        the draft's guess; otherwise the drafter rolls back and drafts again."""
+        """The next proposal, drafting while the last chunk travels to the gateway. The one drafted
+        ahead is used when the verdict is the one it guessed; otherwise it has stopped drafting
+        (Ahead.keep_going) and the drafter rolls back to the accepted tokens and drafts again."""
         k = self._next_k()
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
+            ahead.limit = 1 + k
             waited = time.perf_counter()
-            early, _ = await ahead
-            waited = time.perf_counter() - waited          # what the pipelined draft still cost
-            rest = early.tokens[1:1 + k]
-            if k and rest and verdict.accepted == len(draft.tokens) and early.tokens[0] == verdict.token_ids[-1]:
-                support = early.support[1:1 + k] if early.support is not None else None
+            early, _ = await ahead.job
+            waited = time.perf_counter() - waited          # what the ahead draft still cost
+            if k and ahead.guessed(verdict, early.tokens) and len(early.tokens) > 1:
                 metrics.PIPELINED.labels("used").inc()
                 done = asyncio.get_running_loop().create_future()
-                done.set_result((Draft(rest, support), waited))
+                done.set_result((Draft(early.tokens[1:1 + k]), waited))
                 return done
             metrics.PIPELINED.labels("discarded").inc()
         return self._propose(self.tokens, k)
 
-    def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
+    def _propose(self, tokens: list[int], k: int, keep_going: KeepGoing | None = None) -> asyncio.Future:
         """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
         if self.grammar is not None:
             return asyncio.ensure_future(self._guided(tokens, k))
-        return self._draft(tokens, k)
+        return self._draft(tokens, k, keep_going)
 
     async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:
         """A proposal under the guide: first the tokens it forces (jump-forward; proposed even when
@@ -237,7 +246,7 @@ class Speculation:
             support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + support
         return Draft(forced + draft.tokens, support, draft.kind, len(forced)), time.perf_counter() - start
 
-    def _draft(self, tokens: list[int], k: int) -> asyncio.Future:
+    def _draft(self, tokens: list[int], k: int, keep_going: KeepGoing | None = None) -> asyncio.Future:
         state, drafting = self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
@@ -245,11 +254,12 @@ class Speculation:
             done.set_result((state.propose(tokens, k), time.perf_counter() - start))
             return done
         if drafting.batcher is None:
-            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k))
+            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k, keep_going))
 
         async def batched():
             start = time.perf_counter()
-            return await state.propose_batched(drafting.batcher, tokens, k), time.perf_counter() - start
+            return (await state.propose_batched(drafting.batcher, tokens, k, keep_going),
+                    time.perf_counter() - start)
         return asyncio.ensure_future(batched())
 
     async def _send(self, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:
@@ -283,7 +293,7 @@ class Speculation:
     async def close(self) -> None:
         """Cancels drafting still under way and frees the drafter's state; runs however the stream ended."""
         self.call.cancel()
-        for job in (self.pending, self.ahead):
+        for job in (self.pending, self.ahead.job if self.ahead is not None else None):
             if job is not None and not job.done():
                 job.cancel()                 # its result is not needed; close runs after it
         if self.state is not None:

@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--draft-workers", default="", help="static draft workers, with --verify-workers")
     add_flag(parser, "--max-migrations", default=3, type=int,
              help="times one request may move to another worker after a worker fails")
+    add_flag(parser, "--link-retry-seconds", default=2.0, type=float,
+             help="after the link from a draft worker to a verify worker fails while that verify worker still "
+                  "answers, its requests decode there without speculation this long, then try it again")
     add_flag(parser, "--session-ttl-seconds", default=3600.0, type=float,
              help="a session's history is kept this long after its last use")
     add_flag(parser, "--default-draft-method", default="model", help="model, ngram, head or none")
@@ -82,15 +85,19 @@ def build_guard(args: argparse.Namespace) -> ClientGuard:
 def build_core(args: argparse.Namespace) -> GenerationCore:
     if args.max_migrations < 0:
         raise SystemExit(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if args.link_retry_seconds <= 0:
+        raise SystemExit(f"--link-retry-seconds must be positive, got {args.link_retry_seconds}")
     if not args.verify_workers:
         checked_redis_url(args.redis_url)
     config = AutoConfig.from_pretrained(resolve(args.model))
     if args.verify_workers:
         router, conversations = StaticRouter(args.verify_workers.split(","), args.draft_workers.split(",")), None
+        router.link_seconds = args.link_retry_seconds
         log.info("static routing: verify %s, draft %s; Redis is not used", args.verify_workers, args.draft_workers)
     else:
         client = connect(args.redis_url)
         router = RedisRouter(Registry(client), args.model, args.redis_url)
+        router.link_seconds = args.link_retry_seconds
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
     return GenerationCore(load_tokenizer(args.model), args.model, context_length(config), router,

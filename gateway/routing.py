@@ -35,6 +35,9 @@ class Route:
     draft: str | None          # None: the verify worker decodes alone
     method: str                # what runs: "model", "ngram", "head" or "none"
     kv: int = 0                # KV positions the session reserves on its verify worker
+    # Decoding plainly because the link from the draft pool to this verify worker failed: the
+    # time.monotonic() at which to try speculation again; None otherwise.
+    retry_at: float | None = None
 
 
 def no_kv(room: int) -> int:
@@ -44,7 +47,7 @@ def no_kv(room: int) -> int:
 class Router:
     """Shared by both kinds of directory: channels, in-flight counts and recently failed workers."""
 
-    def __init__(self, suspect_seconds: float = 10.0) -> None:
+    def __init__(self, suspect_seconds: float = 10.0, link_seconds: float = 2.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: Counter[str] = Counter()      # this gateway's streams per worker
         # KV positions this gateway's streams reserve per verify worker. A registry entry's free
@@ -56,6 +59,10 @@ class Router:
         # heartbeat key expires, and a request must not be sent to it again in the meantime.
         self._failed_at: dict[str, float] = {}
         self.suspect_seconds = suspect_seconds
+        # (draft, verify) -> when its link failed while both workers answered: that draft worker is
+        # not paired with that verify worker for link_seconds (requests there decode plainly).
+        self._links_down: dict[tuple[str, str], float] = {}
+        self.link_seconds = link_seconds
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -65,6 +72,16 @@ class Router:
 
     def failed(self, address: str) -> None:
         self._failed_at[address] = time.monotonic()
+
+    def link_failed(self, draft: str, verify: str) -> None:
+        self._links_down[(draft, verify)] = time.monotonic() + self.link_seconds
+
+    def _down_links(self, verify: str) -> dict[str, float]:
+        """Draft workers whose link to `verify` failed lately, with when each may be tried again."""
+        now = time.monotonic()
+        for key in [k for k, until in self._links_down.items() if until <= now]:
+            del self._links_down[key]
+        return {d: until for (d, v), until in self._links_down.items() if v == verify}
 
     def _usable(self, address: str, exclude: set[str]) -> bool:
         if address in exclude:
@@ -87,10 +104,17 @@ class Router:
                 self._fell_back(method, verify, "no verify worker with a trained head is available")
                 return Route(verify, None, "none", need(self.room(verify)))
         verify = await self.pick_verify(affinity, set(exclude), need)
-        draft = await self.pick_draft(method, set(exclude)) if method != "none" else None
+        down = self._down_links(verify) if method != "none" else {}
+        draft = await self.pick_draft(method, set(exclude) | set(down)) if method != "none" else None
+        retry_at = None
         if method != "none" and draft is None:
-            self._fell_back(method, verify, f"no {method} draft worker available")
-        return Route(verify, draft, method if draft else "none", need(self.room(verify)))
+            if down:
+                retry_at = min(down.values())
+                self._fell_back(method, verify, f"the link from every {method} draft worker to verify worker "
+                                                f"{verify} failed lately")
+            else:
+                self._fell_back(method, verify, f"no {method} draft worker available")
+        return Route(verify, draft, method if draft else "none", need(self.room(verify)), retry_at)
 
     @staticmethod
     def _fell_back(method: str, verify: str, why: str) -> None:

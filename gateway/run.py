@@ -70,7 +70,14 @@ class RequestRun:
                 async for delta in self._attempt():
                     yield delta
                 return
+            except _Respeculate:
+                metrics.LINK_FALLBACKS.labels("retry").inc()
+                affinity = self.route.verify
+                continue
             except _WorkerLost as lost:
+                if await self._link_fault(lost):
+                    affinity = self.route.verify
+                    continue
                 router.failed(lost.address)
                 failed.add(lost.address)
                 if lost.address == self.route.draft:
@@ -125,6 +132,8 @@ class RequestRun:
                     if chunk.stop_reason and telemetry.enabled():
                         await _drain(call)
                     return
+                if route.retry_at is not None and time.monotonic() >= route.retry_at:
+                    raise _Respeculate()
         except grpc.aio.AioRpcError as e:
             lost = _lost_worker(e, route)
             if lost is None:
@@ -133,6 +142,27 @@ class RequestRun:
         finally:
             call.cancel()
         raise _WorkerLost(address, _role(address, route), "ended the stream early")
+
+    async def _link_fault(self, lost: _WorkerLost) -> bool:
+        """Whether the verify worker the draft worker reported lost still answers this gateway: then
+        the link between the two failed (a partition, a stall, a reset), not the worker, which keeps
+        the session's KV. Requests there decode on it plainly for a while (Router.link_failed)."""
+        route = self.route
+        if route.draft is None or lost.address != route.verify:
+            return False
+        try:
+            await ipb_grpc.VerifyServiceStub(self.core.router.channel(route.verify)).Status(
+                ipb.StatusRequest(), timeout=LINK_PROBE_S)
+        except grpc.aio.AioRpcError:
+            return False
+        self.core.router.link_failed(route.draft, route.verify)
+        metrics.LINK_FALLBACKS.labels("fallback").inc()
+        telemetry.event("link fault", {"tandem.draft_worker": route.draft, "tandem.verify_worker": route.verify,
+                                       "tandem.delivered_tokens": len(self.delivered)})
+        log.warning("session %s: the link from draft worker %s to verify worker %s failed (%s); decoding on "
+                    "without speculation for %.0fs", self.turn.session_id, route.draft, route.verify, lost.message,
+                    self.core.router.link_seconds)
+        return True
 
     def _take(self, chunk: ipb.TokenChunk, address: str) -> Delta | None:
         u = self.usage
@@ -192,6 +222,14 @@ async def _drain(call, timeout: float = 1.0) -> None:
                 pass
     except (TimeoutError, grpc.aio.AioRpcError):
         pass
+
+
+# How long the gateway waits for a verify worker's answer to decide whether it or its link failed.
+LINK_PROBE_S = 1.0
+
+
+class _Respeculate(Exception):
+    """Plain decoding after a link fault has lasted its while: try speculation again."""
 
 
 class _WorkerLost(Exception):

@@ -28,7 +28,7 @@ from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, telemetry
 from tandem.service.interceptors import MalformedRequestInterceptor
-from tandem.service.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, message_options
+from tandem.service.server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, SERVER_OPTIONS, message_options
 from tandem.speculation.grammar import Grammars
 from tandem.v1 import generation_pb2_grpc as tandem_grpc
 from tandem.v1 import internal_pb2 as internal_pb
@@ -89,7 +89,7 @@ async def _serve(add, entry: bool = False, guard=None, max_message_bytes: int = 
     # malformed requests, tracing (when a test turned it on) and request ids.
     interceptors = [*([guard] if guard else []), MalformedRequestInterceptor(),
                     *telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]
-    server = grpc.aio.server(options=message_options(max_message_bytes), interceptors=interceptors)
+    server = grpc.aio.server(options=message_options(max_message_bytes) + SERVER_OPTIONS, interceptors=interceptors)
     add(server)
     port = server.add_insecure_port("127.0.0.1:0")     # 0: the OS picks a free port
     await server.start()

@@ -28,7 +28,24 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
-CHANNEL_OPTIONS = message_options(MAX_MESSAGE_BYTES)
+# A link that stops carrying data (a stalled peer, a partition, a black-holed route) is noticed
+# within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S: each side pings the other every KEEPALIVE_S, and a ping
+# unanswered for KEEPALIVE_TIMEOUT_S closes the connection, failing its calls with UNAVAILABLE.
+# Without this a call on a dead link waits for its deadline, which a generation may not have.
+KEEPALIVE_S = 1.0
+KEEPALIVE_TIMEOUT_S = 2.0
+_KEEPALIVE = [("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+              ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+              ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+              ("grpc.http2.min_time_between_pings_ms", int(KEEPALIVE_S * 1000)),
+              ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000))]
+# What a server lets its peers do: ping that often, calls or none, without being told to go away.
+_PING_POLICY = [("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
+                ("grpc.http2.max_ping_strikes", 0)]
+
+CHANNEL_OPTIONS = message_options(MAX_MESSAGE_BYTES) + _KEEPALIVE
+SERVER_OPTIONS = _KEEPALIVE + _PING_POLICY
 
 # How this process dials the other services: set once at start-up by use_tls (None = plaintext).
 _client_tls: TlsConfig | None = None
@@ -82,7 +99,8 @@ class Service:
         # The trace interceptor before the request id, so the request-id binding and the handler run inside its span.
         interceptors = [*([guard] if guard else []), MalformedRequestInterceptor(),
                         *telemetry.server_interceptors(), logs.RequestIdInterceptor(generate=entry)]
-        self.server = grpc.aio.server(options=message_options(max_message_bytes), interceptors=interceptors)
+        self.server = grpc.aio.server(options=message_options(max_message_bytes) + SERVER_OPTIONS,
+                                      interceptors=interceptors)
         self.tls, self.entry, self.health_port = tls, entry, health_port
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.health = health.aio.HealthServicer()
