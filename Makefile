@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-passcost | train-head | image | deploy-check
+#         | soak | bench | bench-load | bench-passcost | bench-topology | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost image deploy-check image-check clean
+.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost bench-topology image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ bench-load: setup
 # A batched verify pass's time by sessions and positions (bench/passcost.py), the controller's cost curve.
 bench-passcost: setup
 	$(PY) -m bench.passcost --shared 120
+
+# The pools' layouts side by side, each process pinned to its CPUs (bench/topology.py): plain, draft
+# co-located with verify, split, split with drafting ahead, split through an emulated link;
+# TOPOLOGY_ARGS=--quick for a smoke run.
+TOPOLOGY_ARGS ?=
+bench-topology: setup
+	$(PY) -m bench.topology $(TOPOLOGY_ARGS)
 
 # One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
 IMAGE ?= tandem

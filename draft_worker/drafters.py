@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,15 +36,11 @@ class Draft:
     kind: int | None = None                    # proposals of one kind share an acceptance record:
                                                # the n-gram drafter's match length; None: one for all
     forced: int = 0                            # leading tokens a guide forces (jump-forward), not drafted
+    unsure: bool = False                       # the draft gave its last token less than its --confidence
 
     def prefix(self, n: int) -> Draft:
         return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind,
-                     min(self.forced, n))
-
-
-# Asked before each drafting step after the first, with the tokens drafted so far: False ends the
-# proposal there. Drafting ahead of a verdict stops this way the moment the verdict proves it wasted.
-KeepGoing = Callable[[list[int]], bool]
+                     min(self.forced, n), self.unsure and n >= len(self.tokens))
 
 
 class DraftState(Protocol):
@@ -54,9 +49,8 @@ class DraftState(Protocol):
     worker's batcher, sharing forward passes with other sessions, or with propose() on the
     inference thread when the worker batches nothing."""
     inline: bool
-    def propose(self, context: list[int], k: int, keep_going: KeepGoing | None = None) -> Draft: ...
-    async def propose_batched(self, batcher, context: list[int], k: int,
-                              keep_going: KeepGoing | None = None) -> Draft: ...
+    def propose(self, context: list[int], k: int) -> Draft: ...
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft: ...
     def kv_bytes(self) -> int: ...
     def close(self) -> None: ...
 
@@ -143,31 +137,29 @@ class _ModelDraftState:
         self.cached: list[int] = []              # token ids whose KV is in self.cache
         self.generator = make_generator(params.seed, stream=1)
 
-    def propose(self, context: list[int], k: int, keep_going: KeepGoing | None = None) -> Draft:
-        """k tokens (fewer after an end-of-sequence or an unconfident one, or when keep_going says
-        stop), one forward pass each."""
+    def propose(self, context: list[int], k: int) -> Draft:
+        """k tokens (fewer after an end-of-sequence or an unconfident one), one forward pass each."""
         if not self.cached and k > 0:
             self.drafter.share(self, context)
-        proposal = self._begin(context, k, keep_going)
+        proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
             feed = proposal.take(self.model.forward(feed, self.cache, last=1))
         return proposal.draft()
 
-    async def propose_batched(self, batcher, context: list[int], k: int,
-                              keep_going: KeepGoing | None = None) -> Draft:
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
         """As propose, each step going through `batcher` so that it shares a forward pass with the
         other sessions' steps."""
         if not self.cached and k > 0:
             await batcher.between_passes(self.drafter.share, self, context)
-        proposal = self._begin(context, k, keep_going)
+        proposal = self._begin(context, k)
         feed = proposal.feed
         while feed:
             feed = (await batcher.forward(Step(self.cache, feed, 1, proposal.take, returns=True))).value
         batcher.leave(self.cache)              # nothing more until the verdict comes back
         return proposal.draft()
 
-    def _begin(self, context: list[int], k: int, keep_going: KeepGoing | None) -> _Proposal:
+    def _begin(self, context: list[int], k: int) -> _Proposal:
         """Rolls the cache back to the longest prefix it shares with context."""
         if k <= 0:
             return _Proposal(self, context, 0, [])
@@ -175,7 +167,7 @@ class _ModelDraftState:
         keep = min(keep, len(context) - 1)       # at least one token must be fed to get logits
         self.cache.crop(keep)
         self.cached = self.cached[:keep]
-        return _Proposal(self, context, k, context[keep:], keep_going)
+        return _Proposal(self, context, k, context[keep:])
 
     def kv_bytes(self) -> int:
         return self.cache.nbytes()
@@ -190,13 +182,12 @@ class _Proposal:
     """One proposal being drafted: `take` turns each step's logits into a token and says what to
     feed next (nothing when the proposal is complete)."""
 
-    def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int],
-                 keep_going: KeepGoing | None = None) -> None:
+    def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int]) -> None:
         self.state, self.context, self.k, self.feed = state, context, k, feed
-        self.keep_going = keep_going
         self.tokens: list[int] = []
         self.support: list | None = [] if not state.params.greedy else None
         self.advanced = 0                    # tokens the guide's matcher took along this proposal
+        self.unsure = False
 
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
@@ -217,8 +208,8 @@ class _Proposal:
         self.tokens.append(token)
         if st.grammar is not None:
             self.advanced += st.grammar.advance([token])
-        done = (len(self.tokens) >= self.k or token in st.eos_ids or q_token < st.confidence
-                or (self.keep_going is not None and not self.keep_going(self.tokens)))
+        self.unsure = q_token < st.confidence
+        done = len(self.tokens) >= self.k or token in st.eos_ids or self.unsure
         self.feed = [] if done else [token]
         return self.feed
 
@@ -226,7 +217,7 @@ class _Proposal:
         if self.state.grammar is not None:
             self.state.grammar.rollback(self.advanced)
             self.advanced = 0
-        return Draft(self.tokens, self.support)
+        return Draft(self.tokens, self.support, unsure=self.unsure)
 
 
 class NgramDrafter:
@@ -244,7 +235,7 @@ class NgramDrafter:
               room: int = proposal_room(), grammar: Matcher | None = None) -> DraftState:
         return self
 
-    def propose(self, context: list[int], k: int, keep_going: KeepGoing | None = None) -> Draft:
+    def propose(self, context: list[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])
         n_ctx = len(context)
@@ -257,8 +248,7 @@ class NgramDrafter:
                         return Draft(follow, kind=n)
         return Draft([])
 
-    async def propose_batched(self, batcher, context: list[int], k: int,
-                              keep_going: KeepGoing | None = None) -> Draft:
+    async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
         return self.propose(context, k)
 
     def kv_bytes(self) -> int:

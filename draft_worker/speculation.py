@@ -2,7 +2,7 @@
 
 The drafter proposes k tokens (inference thread), the verify worker's Verdict extends the context
 with the accepted + bonus tokens, which go to the gateway as one TokenChunk; the drafter rolls its
-cache back on the next propose. With --pipeline the next proposal is drafted ahead (ahead.py).
+cache back on the next propose. With --pipeline, greedy proposals are streamed instead (streamed.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from draft_worker.ahead import Ahead
 from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
-from draft_worker.drafters import Draft, Drafter, DraftState, KeepGoing
+from draft_worker.drafters import Draft, Drafter, DraftState
+from draft_worker.streamed import Streaming
 from tandem.engine.batcher import Batcher
 from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
@@ -43,7 +43,7 @@ class Drafting:
     """What a draft worker lends each of its streams."""
     inference: InferenceThread
     batcher: Batcher | None       # batches the model drafter's steps across sessions
-    pipeline: bool                # draft the next proposal while this one is verified
+    pipeline: bool                # stream greedy proposals, drafting while the target verifies
     adaptive_k: bool
     eos_ids: list[int]
     vocab_size: int | None        # the draft model's; None for model-free drafting
@@ -66,15 +66,19 @@ class Speculation:
         self.grammar: Matcher | None = None           # the guide's state after self.tokens
         self.control: SpeculationController | None = None
         self.pending: asyncio.Future | None = None    # the next proposal being drafted
-        self.ahead: Ahead | None = None               # the one after it, drafted while this one is verified
+        self.streaming: Streaming | None = None       # --pipeline: proposals streamed (streamed.py)
         self.rounds = self.drafted = self.accepted = 0
 
     async def open(self, prior: dict[object, Survival]) -> pb.Opened:
         """Opens the session on the verify worker and starts drafting; `prior`: acceptance by
         position over recent sessions of this method on that worker. Raises ValueError when the
         draft model's vocabulary is not the target's."""
+        # Streamed: greedy requests without a guide (a guide's matcher follows the verdicts; see
+        # streamed.py for sampling).
+        stream = self.drafting.pipeline and self.params.greedy and self.params.guide is None
         await self.call.write(pb.VerifyRequest(open=pb.OpenSession(
-            session_id=self.request.session_id, prompt_ids=self.prompt, sampling=self.request.sampling)))
+            session_id=self.request.session_id, prompt_ids=self.prompt, sampling=self.request.sampling,
+            stream=stream)))
         opened = self.opened = (await self._read()).opened
         vocab = self.drafting.vocab_size
         if self.drafter.uses_model and vocab not in (None, opened.vocab_size):
@@ -84,6 +88,9 @@ class Speculation:
                                         proposal_room(opened.max_proposal), self.grammar)
         # Greedy only: a sampled request's output must not depend on measured timings, so that its
         # seed reproduces it on any worker.
+        if stream:
+            self.streaming = Streaming(self)
+            return opened
         if self.drafting.adaptive_k and self.params.greedy:
             self.control = controller_for(opened.forward_ms, prior, opened.token_cost)
         self.pending = self._propose(self.tokens, self._next_k())
@@ -114,6 +121,10 @@ class Speculation:
     async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
         """The rounds to the end of the request, a chunk each. Plain rounds in a row go as one
         request: the verify worker decodes them back to back without a round trip each."""
+        if self.streaming is not None:
+            async for chunk in self.streaming.chunks():
+                yield chunk
+            return
         cached = self.opened.cached_tokens            # reported once, on the first chunk
         prompt_reports = self.opened.prompt_logprobs
         owed, arrived = 0, 0.0      # verdicts still to come of a run of plain rounds; when the last came
@@ -131,8 +142,6 @@ class Speculation:
                 else:
                     verdict, rtt_s = await self._send(draft, run)
                     owed = run - 1
-                    if self.ahead is not None:
-                        self.ahead.verdict = verdict       # a wrong guess stops drafting now
                 arrived = time.perf_counter()
                 if span is not None:
                     span.set_attributes(telemetry.round_attributes(
@@ -152,28 +161,16 @@ class Speculation:
                 yield chunk
                 return
             if not owed:
-                self.pending = await self._next_proposal(draft, verdict)
+                self.pending = self._propose(self.tokens, self._next_k())     # drafts while the chunk travels
             yield chunk
 
     def _shape(self, draft: Draft) -> tuple[Draft, int]:
         """The drafted proposal fitted to the controller's choice, and how many plain rounds to ask
-        for when there is none; starts drafting the next proposal ahead when pipelining."""
+        for when there is none."""
         control = self.control
         if control is not None and len(draft.tokens) > draft.forced:
             draft = draft.prefix(draft.forced + control.fit(len(draft.tokens) - draft.forced, draft.kind))
-        if draft.tokens and self._drafts_ahead():
-            self.ahead = Ahead(len(draft.tokens))
-            self.ahead.job = self._propose(self.tokens + draft.tokens, self.request.num_speculative_tokens + 1,
-                                           self.ahead.keep_going)
         return draft, control.plain_run() if control is not None and not draft.tokens else 1
-
-    def _drafts_ahead(self) -> bool:
-        """Whether to draft the next proposal while the target verifies this one: with a draft model
-        (n-gram lookup costs nothing to redo), and for greedy requests without a guide only. A
-        sampled draft drawn ahead would take its random numbers before the verdict, so a seed's
-        output would depend on which verdicts came back; a guide's matcher follows the verdicts."""
-        return (self.drafting.pipeline and self.drafter.uses_model and self.params.greedy
-                and self.grammar is None)
 
     def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> tuple[int, int, int]:
         """Takes in a verdict: the context grows by its tokens, the counts and the controller learn
@@ -199,30 +196,11 @@ class Speculation:
                 self.grammar = None
         return checked, forced, forced_accepted
 
-    async def _next_proposal(self, draft: Draft, verdict: pb.Verdict) -> asyncio.Future:
-        """The next proposal, drafting while the last chunk travels to the gateway. The one drafted
-        ahead is used when the verdict is the one it guessed; otherwise it has stopped drafting
-        (Ahead.keep_going) and the drafter rolls back to the accepted tokens and drafts again."""
-        k = self._next_k()
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            ahead.limit = 1 + k
-            waited = time.perf_counter()
-            early, _ = await ahead.job
-            waited = time.perf_counter() - waited          # what the ahead draft still cost
-            if k and ahead.guessed(verdict, early.tokens) and len(early.tokens) > 1:
-                metrics.PIPELINED.labels("used").inc()
-                done = asyncio.get_running_loop().create_future()
-                done.set_result((Draft(early.tokens[1:1 + k]), waited))
-                return done
-            metrics.PIPELINED.labels("discarded").inc()
-        return self._propose(self.tokens, k)
-
-    def _propose(self, tokens: list[int], k: int, keep_going: KeepGoing | None = None) -> asyncio.Future:
+    def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
         if self.grammar is not None:
             return asyncio.ensure_future(self._guided(tokens, k))
-        return self._draft(tokens, k, keep_going)
+        return self._draft(tokens, k)
 
     async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:
         """A proposal under the guide: first the tokens it forces (jump-forward; proposed even when
@@ -246,7 +224,7 @@ class Speculation:
             support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + support
         return Draft(forced + draft.tokens, support, draft.kind, len(forced)), time.perf_counter() - start
 
-    def _draft(self, tokens: list[int], k: int, keep_going: KeepGoing | None = None) -> asyncio.Future:
+    def _draft(self, tokens: list[int], k: int) -> asyncio.Future:
         state, drafting = self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
@@ -254,12 +232,11 @@ class Speculation:
             done.set_result((state.propose(tokens, k), time.perf_counter() - start))
             return done
         if drafting.batcher is None:
-            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k, keep_going))
+            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k))
 
         async def batched():
             start = time.perf_counter()
-            return (await state.propose_batched(drafting.batcher, tokens, k, keep_going),
-                    time.perf_counter() - start)
+            return await state.propose_batched(drafting.batcher, tokens, k), time.perf_counter() - start
         return asyncio.ensure_future(batched())
 
     async def _send(self, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:
@@ -293,7 +270,9 @@ class Speculation:
     async def close(self) -> None:
         """Cancels drafting still under way and frees the drafter's state; runs however the stream ended."""
         self.call.cancel()
-        for job in (self.pending, self.ahead.job if self.ahead is not None else None):
+        if self.streaming is not None:
+            self.streaming.cancel()
+        for job in (self.pending,):
             if job is not None and not job.done():
                 job.cancel()                 # its result is not needed; close runs after it
         if self.state is not None:

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cluster.redis_conn import RedisServer, ensure_redis, free_port, redacted
+from tandem.cpus import children_on, cpu_sets, parse_cpus
 from tandem.service.config import add_flag
 
 
@@ -80,10 +81,17 @@ class Stack:
     heartbeat_seconds: float = 2.0
     log_dir: str = ""                # when set, each process's log goes to <log_dir>/<name>.log
     tls: TlsFiles | None = None      # None: every process is started with --insecure, said explicitly
+    # CPU affinity by process kind, a CPU list each ({"verify_worker": "0", "draft_worker": "1-2"}): a
+    # process and every thread it starts run only there. Kinds left out run anywhere.
+    cpus: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)     # each process's /metrics port
     _redis: RedisServer | None = None
+    _cpu_sets: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._cpu_sets = cpu_sets(self.cpus)
 
     def address(self, name: str) -> str:
         return f"{self.host}:{self.ports[name]}"
@@ -91,7 +99,7 @@ class Stack:
     def metrics_url(self, name: str) -> str:
         return f"http://{self.host}:{self.metrics_ports[name]}/metrics"
 
-    def _spawn(self, name: str, args: list[str], port: int) -> None:
+    def _spawn(self, name: str, args: list[str], port: int, cpus: str | None = None) -> None:
         # The processes share this machine's cores. An OpenMP thread that spins while it waits (the
         # default) takes a core from another process's forward passes, so with a draft model beside
         # it every process waits passively. Without one, the verify worker keeps OpenMP's default:
@@ -104,13 +112,16 @@ class Stack:
         self.ports[name] = port
         # A free port per process: the services' fixed defaults would collide on one machine.
         self.metrics_ports[name] = free_port()
+        kind = name.split("-")[0]
+        pinned = cpu_sets({kind: cpus})[kind] if cpus is not None else self._cpu_sets.get(kind)
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
         try:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", name.split("-")[0], "--host", self.host, "--port", str(port),
-                 "--metrics-port", str(self.metrics_ports[name]), "--redis-url", self.redis_url,
-                 *(self.tls.args() if self.tls else ["--insecure"]), *args],
-                env=env, stderr=log)
+            with children_on(pinned):
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", kind, "--host", self.host, "--port", str(port),
+                     "--metrics-port", str(self.metrics_ports[name]), "--redis-url", self.redis_url,
+                     *(self.tls.args() if self.tls else ["--insecure"]), *args],
+                    env=env, stderr=log)
         finally:
             if log is not None:
                 log.close()          # the child holds its own copy
@@ -121,9 +132,10 @@ class Stack:
             n += 1
         return name
 
-    def add_worker(self, kind: str, wait: bool = True, timeout: float = 600, extra_args: list[str] = ()) -> str:
+    def add_worker(self, kind: str, wait: bool = True, timeout: float = 600, extra_args: list[str] = (),
+                   cpus: str | None = None) -> str:
         """Starts one more verify_worker or draft_worker, with the pool's flags and then
-        `extra_args`; returns its name (verify_worker-2, ...)."""
+        `extra_args`, on `cpus` (a CPU list) instead of the kind's; returns its name (verify_worker-2, ...)."""
         name = self._name(kind)
         beat = ["--heartbeat-seconds", str(self.heartbeat_seconds)]
         if kind == "verify_worker":
@@ -131,7 +143,7 @@ class Stack:
         else:
             args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat,
                     *self.draft_args]
-        self._spawn(name, [*args, *extra_args], free_port())
+        self._spawn(name, [*args, *extra_args], free_port(), cpus)
         if wait:
             wait_serving(self.address(name), self.procs[name], timeout, self.tls)
         return name
@@ -203,14 +215,23 @@ def main(argv=None) -> None:
              help="the verify worker's trained head ('shipped': the one shipped for --target); the demo "
                   "request then drafts with it")
     add_flag(parser, "--demo", default=True, type=bool, help="stream one request once serving")
+    add_flag(parser, "--cpus", default="",
+             help="pin processes to CPUs: verify=CPUS,draft=CPUS,gateway=CPUS, each a list like 0, 0-1 or "
+                  "0,2-3 (verify=0-1,3,draft=2); a process left out runs on any CPU; keep --threads at most "
+                  "a process's CPUs")
     args = parser.parse_args(argv)
+    try:
+        cpus = parse_cpus(args.cpus)
+        cpu_sets(cpus)          # before the models are fetched
+    except ValueError as e:
+        parser.error(f"--cpus {args.cpus!r}: {e}")
 
     from tandem import presets
     for spec in (args.target, args.draft):
         if spec and spec != "none":
             print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
     stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port,
-                  verify_args=["--head", args.head] if args.head else [])
+                  verify_args=["--head", args.head] if args.head else [], cpus=cpus)
     stack.start()
     print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
           f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})\n"

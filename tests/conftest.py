@@ -34,6 +34,14 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def oracle(tiny_pair):
+    """(model, tokenizer): the tiny target loaded by transformers itself, the oracle no one here wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = tiny_pair[0]
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tiny_pair):
     from tandem.engine.modeling import CausalLM
     target, draft = tiny_pair

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.system
 
 @pytest.fixture(scope="module")
 def small_pool_stack(tiny_pair, redis_server):
-    """A verify worker whose pool holds 450 positions, and a draft worker that pipelines."""
+    """A verify worker whose pool holds 450 positions, and a draft worker that streams its proposals."""
     target, draft = tiny_pair
     with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url,
                verify_args=["--kv-budget-tokens", "450", "--admission-timeout", "1"],
@@ -32,7 +32,7 @@ def small_pool_stack(tiny_pair, redis_server):
 
 def test_concurrent_streams_through_the_service_match_greedy(small_pool_stack, tiny_pair, tiny_models):
     """Eight streams at once (model, n-gram and plain decoding mixed) share the verify worker's
-    passes, and the model drafter pipelines; each output equals the target's greedy output for
+    passes, and the greedy ones stream their proposals; each output equals the target's greedy output for
     that request alone."""
     tok = AutoTokenizer.from_pretrained(tiny_pair[0])
     cases = [(p, m, k) for p in ("def add(a, b):", "for i in range(10):\n", "class Point:", "x = np.zeros(")
@@ -51,8 +51,8 @@ def test_concurrent_streams_through_the_service_match_greedy(small_pool_stack, t
     samples = scrape(small_pool_stack, "verify_worker")
     single = samples[("tandem_verify_batch_sessions_bucket", (("le", "1.0"),))]
     assert samples[("tandem_verify_batch_sessions_count", ())] > single, "no pass held more than one session"
-    pipelined = scrape(small_pool_stack, "draft_worker")
-    assert pipelined[("tandem_draft_pipelined_proposals_total", (("outcome", "used"),))] > 0
+    streamed = scrape(small_pool_stack, "draft_worker")
+    assert streamed[("tandem_draft_streamed_tokens_total", (("outcome", "sent"),))] > 0
 
 
 def test_full_pool_queues_a_request_then_admits_or_refuses_it(small_pool_stack):

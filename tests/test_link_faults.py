@@ -45,7 +45,7 @@ def linked(tiny_pair, redis_server):
                heartbeat_seconds=0.5, gateway_args=["--link-retry-seconds", "1"]) as stack:
         with ProxyThread(stack.address("verify_worker")) as proxy:
             stack.add_worker("draft_worker", extra_args=[
-                "--verify-route", f"{stack.address('verify_worker')}={proxy.address}", "--link-timeout", "0.5"])
+                "--verify-route", f"{stack.address('verify_worker')}={proxy.address}", "--link-timeout", "0.5", "--pipeline"])
             yield stack, proxy
 
 

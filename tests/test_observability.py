@@ -198,6 +198,41 @@ def test_inference_queue_depth_gauge():
 
 
 @pytest.mark.unit
+def test_inference_busy_seconds_counter():
+    """The seconds the thread's jobs ran, their wait in the queue excluded, a job that raised included;
+    exported at 0 before the first job."""
+    import time
+
+    from tandem.engine.thread import InferenceThread
+    metrics.register("draft_worker", "verify_worker")      # both export it: registering twice is fine
+
+    def busy() -> float | None:
+        return REGISTRY.get_sample_value("tandem_inference_busy_seconds_total", {"thread": "test-busy"})
+
+    def fail():
+        time.sleep(0.02)
+        raise ValueError("bad job")
+
+    async def main():
+        thread = InferenceThread("test-busy")
+        first = busy()
+        # three at once: two wait while one runs, and their waits must not count
+        timed = await asyncio.gather(*(thread.run_timed(time.sleep, 0.03) for _ in range(3)))
+        ran, after_three = sum(seconds for _, seconds in timed), busy()
+        start = time.perf_counter()
+        with pytest.raises(ValueError):
+            await thread.run(fail)
+        failed = time.perf_counter() - start
+        thread.shutdown()
+        return first, ran, after_three, failed
+
+    first, ran, after_three, failed = asyncio.run(main())
+    assert first == 0
+    assert ran >= 0.09 and after_three == pytest.approx(ran)
+    assert 0.02 <= busy() - after_three <= failed
+
+
+@pytest.mark.unit
 def test_grafana_dashboard_reads_only_metrics_that_exist():
     import re
     from pathlib import Path

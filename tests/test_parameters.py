@@ -15,7 +15,7 @@ import math
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from fmaas import generation_pb2 as fm
 from tandem.v1 import generation_pb2 as tpb
@@ -51,19 +51,16 @@ PENALTIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def always_speculate(stack):
+@pytest.fixture(autouse=True, params=["chained", "streamed"])
+def always_speculate(stack, request):
     """The draft worker proposes every round: its rate controller would otherwise learn that the
-    tiny models' drafts do not pay and decode plainly, and the tests would not speculate."""
+    tiny models' drafts do not pay and decode plainly, and the tests would not speculate. Every
+    test runs twice: proposals sent whole per round, and streamed as drafted (--pipeline)."""
     stack.draft.drafting.adaptive_k = False
+    stack.draft.drafting.pipeline = request.param == "streamed"
     yield
     stack.draft.drafting.adaptive_k = True
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_pair):
-    target = tiny_pair[0]
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(target)
+    stack.draft.drafting.pipeline = False
 
 
 def reference(oracle, prompt: str, max_new: int = NEW, **penalty) -> tuple[list[int], torch.Tensor, list[int]]:

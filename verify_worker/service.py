@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from functools import partial
 
@@ -18,6 +19,7 @@ from verify_worker.headspec import METHOD as HEAD
 from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice
+from verify_worker.streamed import StreamedRun, read_pieces
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +158,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         max_proposal=self.engine.max_proposal, max_context=self.engine.model.max_context,
                         forward_ms=self.engine.model.forward_ms,
                         token_cost=self.price.for_batch(len(self.sessions)), prompt_logprobs=prompt_reports))
+                    if req.open.stream:
+                        async for response in self._streamed(context, session, request_iterator):
+                            yield response
+                        return
                 elif kind == "proposal":
                     if session is None:
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "proposal before the session was opened")
-                    if not self.keeper.owns(id(context), session.session_id):
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            f"session {session.session_id} was reopened on another stream")
+                    await self._check_owner(context, session)
                     proposal = req.proposal
                     if proposal.plain_steps > 1 and proposal.token_ids:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -172,22 +176,52 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                     for step in range(steps):
                         ran = await self._verify(context, session, list(proposal.token_ids), proposal.distributions,
                                                  returns=step < steps - 1)
-                        verdict = ran.value
-                        metrics.VERIFY_SECONDS.observe(ran.seconds)
-                        # The draft worker's round span records this, next to its round-trip time.
-                        yield pb.VerifyResponse(verdict=pb.Verdict(
-                            accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
-                            verify_seconds=ran.seconds, batch_size=ran.batch_size,
-                            token_cost=self.price.for_batch(max(ran.batch_size, len(self.sessions)), ran.positions),
-                            unverified=len(proposal.token_ids) + 1 - ran.fed,
-                            position_seconds=self.price.position_seconds(ran.batch_size, ran.positions),
-                            logprobs=wire.logprobs_to_proto(verdict.logprobs or ())))
-                        if verdict.stop_reason:
+                        yield self._verdict(ran, len(proposal.token_ids))
+                        if ran.value.stop_reason:
                             return
                 else:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty VerifyRequest")
         finally:
             self._close(context)
+
+    async def _streamed(self, context, session: TargetSession, requests):
+        """A streamed session's passes (OpenSession.stream): each verifies the part of the run that
+        has arrived, and its verdict goes out before the next pass is queued."""
+        if not session.params.greedy:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "stream needs a greedy session: sampled proposals carry their distributions")
+        run = StreamedRun(session, self.engine.max_proposal)
+        reader = asyncio.create_task(read_pieces(requests, run))
+        try:
+            while (tokens := await run.next()) is not None:
+                await self._check_owner(context, session)
+                ran = await self._verify(context, session, tokens, ())
+                run.judged(ran.value.token_ids)
+                yield self._verdict(ran, len(tokens))
+                if ran.value.stop_reason:
+                    return
+            if run.error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, run.error)
+        finally:
+            reader.cancel()
+
+    async def _check_owner(self, context, session: TargetSession) -> None:
+        if not self.keeper.owns(id(context), session.session_id):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"session {session.session_id} was reopened on another stream")
+
+    def _verdict(self, ran: Ran, proposed: int) -> pb.VerifyResponse:
+        """The verdict message of one round that was given `proposed` tokens."""
+        verdict = ran.value
+        metrics.VERIFY_SECONDS.observe(ran.seconds)
+        # The draft worker's round span records this, next to its round-trip time.
+        return pb.VerifyResponse(verdict=pb.Verdict(
+            accepted=verdict.accepted, token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
+            verify_seconds=ran.seconds, batch_size=ran.batch_size,
+            token_cost=self.price.for_batch(max(ran.batch_size, len(self.sessions)), ran.positions),
+            unverified=proposed + 1 - ran.fed, checked=ran.fed - 1,
+            position_seconds=self.price.position_seconds(ran.batch_size, ran.positions),
+            logprobs=wire.logprobs_to_proto(verdict.logprobs or ())))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         head = request.method == HEAD

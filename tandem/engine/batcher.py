@@ -17,6 +17,7 @@ one whose step goes through another worker (drafting a proposal with a model) is
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from tandem.engine.thread import InferenceThread
 @dataclass
 class Ran:
     value: Any           # what the step's follow-up returned (its logits when it had none)
-    seconds: float       # the whole batch's forward pass and follow-ups
+    seconds: float       # the batch's forward pass and the follow-ups up to this step's own
     batch_size: int      # sessions taken into that pass
     fed: int             # tokens of this step the pass took (fewer than given when it was cut)
     positions: int = 0   # tokens the pass fed, all sessions together
@@ -93,7 +94,9 @@ class Batcher:
         self._away: weakref.WeakKeyDictionary[SessionCache, float] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        # per pass: (sessions, round tokens, prefill tokens, seconds)
+        self._loop_ref: asyncio.AbstractEventLoop | None = None     # where the passes' results go
+        # per pass: (sessions, round tokens, prefill tokens, seconds of its forward pass), on the
+        # event loop before any of its steps' results
         self.observers: list[Callable[[int, int, int, float], None]] = []
 
     @property
@@ -124,6 +127,7 @@ class Batcher:
         return await queued.future
 
     async def _loop(self) -> None:
+        self._loop_ref = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -132,26 +136,17 @@ class Batcher:
                 batch = self._take()
                 if not batch:
                     continue
-                try:
-                    outcomes, seconds = await self.inference.run_timed(self._run, batch)
-                except Exception as e:           # the pass itself failed: every step hears of it
-                    outcomes, seconds = [e] * len(batch), 0.0
                 steps = [q.step for q in batch]
                 prefill = sum(len(s.tokens) for s in steps if s.prefill)
                 tokens = sum(len(s.tokens) for s in steps) - prefill
-                for observe in self.observers:
-                    observe(len(batch), tokens, prefill, seconds)
+                try:
+                    _, seconds = await self.inference.run_timed(self._run, batch, tokens, prefill)
+                except Exception as e:           # the pass itself failed: every step hears of it
+                    for queued in batch:
+                        self._settle(queued, e, None)
+                    self._observe(len(batch), tokens, prefill, 0.0)
+                    seconds = 0.0
                 self._last, self._last_seconds = [s for s in steps if not s.prefill], seconds
-                now = asyncio.get_running_loop().time()
-                for queued, outcome in zip(batch, outcomes):
-                    step = queued.step
-                    self._answered[step.cache] = (now, step.returns)
-                    if queued.future.done():     # the session gave up (cancelled) meanwhile
-                        continue
-                    if isinstance(outcome, Exception):
-                        queued.future.set_exception(outcome)
-                    else:
-                        queued.future.set_result(Ran(outcome, seconds, len(batch), len(step.tokens), tokens + prefill))
 
     async def _gather(self) -> None:
         """Waits, briefly, until every session of the last pass has queued its next step."""
@@ -221,11 +216,22 @@ class Batcher:
                 high = mid - 1
         return low
 
-    def _run(self, batch: list[_Queued]) -> list[Any]:
+    def _observe(self, sessions: int, tokens: int, prefill: int, seconds: float) -> None:
+        for observe in self.observers:
+            observe(sessions, tokens, prefill, seconds)
+
+    def _run(self, batch: list[_Queued], tokens: int, prefill: int) -> None:
         """On the inference thread: room for every step first (a step that cannot get it fails
-        alone), one forward pass, then each follow-up."""
+        alone), one forward pass, then each follow-up, whose result goes back to its session the
+        moment it is there: a verdict is not held up by the other sessions' follow-ups."""
+        loop, start = self._loop_ref, time.perf_counter()
         steps = [q.step for q in batch]
         outcomes: list[Any] = [None] * len(steps)
+
+        def settle(i: int) -> None:
+            ran = Ran(None, time.perf_counter() - start, len(batch), len(steps[i].tokens), tokens + prefill)
+            loop.call_soon_threadsafe(self._settle, batch[i], outcomes[i], ran)
+
         ready = []
         for i, step in enumerate(steps):
             total = step.cache.length + len(step.tokens)
@@ -239,10 +245,13 @@ class Batcher:
                 ready.append(i)
             except (ValueError, KVPoolFull) as e:
                 outcomes[i] = e
+                settle(i)
         if ready:
             tapped = self.taps and any(steps[i].taps for i in ready)
             logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last) for i in ready],
                                               self.taps if tapped else ())
+            # observed first (callbacks run in order): a verdict built from the price sees this pass
+            loop.call_soon_threadsafe(self._observe, len(batch), tokens, prefill, time.perf_counter() - start)
             for i, rows in zip(ready, logits):
                 if tapped and not steps[i].taps:
                     rows = rows[0]
@@ -251,4 +260,16 @@ class Batcher:
                     outcomes[i] = then(rows) if then is not None else rows
                 except Exception as e:           # one session's bad step fails that session only
                     outcomes[i] = e
-        return outcomes
+                settle(i)
+
+    def _settle(self, queued: _Queued, outcome: Any, ran: Ran | None) -> None:
+        """On the event loop: a step's result (`ran`, its value still to fill) or exception."""
+        step = queued.step
+        self._answered[step.cache] = (asyncio.get_running_loop().time(), step.returns)
+        if queued.future.done():             # the session gave up (cancelled) meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            queued.future.set_exception(outcome)
+        else:
+            ran.value = outcome
+            queued.future.set_result(ran)

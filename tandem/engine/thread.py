@@ -9,6 +9,15 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+# Seconds the jobs of this process's inference threads have run, by thread name; only ever grows, so
+# it reads as a counter (tandem.service.metrics exports it). Each thread adds its own jobs' time.
+_busy: dict[str, float] = {}
+
+
+def busy_seconds() -> dict[str, float]:
+    """Seconds the jobs of each name's inference threads have run so far in this process."""
+    return dict(_busy)
+
 
 class InferenceThread:
     """Model work runs here, one job at a time, never on the event loop.
@@ -23,6 +32,8 @@ class InferenceThread:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._waiting = 0         # jobs submitted and not yet started: the queue depth
         self._gauge = gauge
+        self.name = name
+        _busy.setdefault(name, 0.0)     # exported at 0 before the first job
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return (await self.run_timed(fn, *args))[0]
@@ -43,6 +54,11 @@ class InferenceThread:
         if self._gauge is not None:
             self._gauge.inc(n)
 
+    def _ran(self, seconds: float) -> None:
+        # Only inference threads call this; two threads of one name (tests) could lose an addition
+        # to the race of this read-modify-write, nothing that a utilisation figure would show.
+        _busy[self.name] += seconds
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -57,5 +73,9 @@ class _Job:
         self.started = True
         self.owner._move(-1)
         t0 = time.perf_counter()
-        result = self.fn(*self.args)
-        return result, time.perf_counter() - t0
+        try:
+            result = self.fn(*self.args)
+        finally:
+            seconds = time.perf_counter() - t0
+            self.owner._ran(seconds)        # a job that raised kept the thread busy too
+        return result, seconds

@@ -262,6 +262,8 @@ bfloat16 on a GPU. int8 (dynamic quantization) runs on the CPU only; the worker 
   value: {{ include "tandem.targetModel" .root | quote }}
 - name: TANDEM_NGRAM_MAX
   value: {{ .pool.ngramMax | quote }}
+- name: TANDEM_PIPELINE
+  value: {{ .pool.pipeline | quote }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,81 @@
+"""CPU pinning in tandem.launch (tandem.cpus): the --cpus flag and Stack.cpus, checked before any
+process starts (unit), and a pinned process's threads on its CPUs (system)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tandem.cluster.redis_conn import free_port
+from tandem.cpus import parse_cpu_list, parse_cpus
+from tandem.launch import Stack, main
+
+
+@pytest.mark.unit
+def test_cpus_flag_names_each_process_and_its_cpu_list():
+    assert parse_cpus("verify=0,draft=1,gateway=1") == {"verify_worker": "0", "draft_worker": "1", "gateway": "1"}
+    # a bare number or range after an entry belongs to it: CPU lists have commas of their own
+    assert parse_cpus("verify=0-1,3,draft=2") == {"verify_worker": "0-1,3", "draft_worker": "2"}
+    assert parse_cpus(" verify_worker = 0 , ") == {"verify_worker": "0"}
+    assert parse_cpus("") == {}
+
+
+@pytest.mark.unit
+def test_cpu_lists():
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("0-2,5") == {0, 1, 2, 5}
+    assert parse_cpu_list("3-3") == {3}            # a range of one: its ends may meet
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text, problem", [
+    ("foo=1", "unknown process 'foo'"),
+    ("gateway_worker=1", "unknown process 'gateway_worker'"),
+    ("0,verify=1", "'0' comes before any process"),
+    ("verify=0,verify=1", "verify is given twice"),
+    ("verify=2-1", "'2-1': a range goes from low to high"),
+    ("verify=a", "verify: 'a' is not a CPU list"),
+    ("verify=0,draft=", "draft: '' is not a CPU list"),
+    ("verify=-1", "verify: '-1' is not a CPU list"),
+])
+def test_cpus_flag_says_what_is_wrong(text, problem):
+    with pytest.raises(ValueError) as e:
+        parse_cpus(text)
+    assert problem in str(e.value)
+
+
+@pytest.mark.unit
+def test_launch_refuses_bad_cpus_before_fetching_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--cpus", "verify=0,dra=1"])
+    assert e.value.code == 2
+    assert "--cpus 'verify=0,dra=1': unknown process 'dra'" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_stack_refuses_cpus_it_cannot_use():
+    beyond = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=f"verify_worker on CPU {beyond}, but this process may use only"):
+        Stack("t", "d", cpus={"verify_worker": f"0,{beyond}"})
+    with pytest.raises(ValueError, match="unknown process kind 'verify'"):
+        Stack("t", "d", cpus={"verify": "0"})
+
+
+@pytest.mark.system
+def test_a_pinned_process_and_all_its_threads_run_on_its_cpus(tiny_pair):
+    """A gateway (static routing: no Redis, no workers needed) pinned to one CPU: every thread it
+    started (gRPC, tokenizer, torch) inherited the affinity; this process's is unchanged."""
+    target, _ = tiny_pair
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    stack = Stack(str(target), "none", cpus={"gateway": str(cpu)})
+    try:
+        name = stack.add_gateway(["--verify-workers", f"127.0.0.1:{free_port()}"], timeout=120)
+        pid = stack.procs[name].pid
+        tasks = os.listdir(f"/proc/{pid}/task")
+        assert len(tasks) > 1
+        assert {t: os.sched_getaffinity(int(t)) for t in tasks} == {t: {cpu} for t in tasks}
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        stack.stop()

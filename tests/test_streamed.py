@@ -1,0 +1,145 @@
+"""Streamed proposals (--pipeline, OpenSession.stream): the rules both workers keep for the run of
+proposed tokens, the verify worker's run under pieces that arrive late, early or stale, and the
+whole service streaming against transformers' generate on the target alone. Every request
+parameter under streaming is covered by test_parameters, which runs each test streamed too."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from tandem.client import build_request
+from tandem.service import metrics
+from tandem.speculation.stream import after_verdict, place
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.v1 import internal_pb2 as ipb
+from tandem.v1 import internal_pb2_grpc as ipb_grpc
+from tests.stack import stack, wait_until_idle  # noqa: F401  (stack: the fixture)
+from verify_worker.streamed import StreamedRun
+
+
+# ---- the rules (unit) ----
+
+@pytest.mark.unit
+def test_a_verdict_keeps_the_run_only_beyond_a_prefix_it_confirms():
+    assert after_verdict([5, 6, 7, 8], [5, 6]) == [7, 8]            # accepted 1, bonus = the run's next
+    assert after_verdict([5, 6, 7, 8], [5, 9]) == []                # rejected at 1: the rest was drafted after 6
+    assert after_verdict([5], [5, 6]) == []                         # the run ran out: the bonus is new
+    assert after_verdict([], [4]) == []                             # a plain step
+
+
+@pytest.mark.unit
+def test_a_piece_must_continue_the_known_tokens():
+    tokens = [1, 2, 3]
+    assert place(tokens, [], 3, 3, [4, 5]) == [4, 5]                # right after the committed tokens
+    assert place(tokens, [4, 5], 5, 5, [6]) == [4, 5, 6]            # after the run
+    assert place(tokens, [4, 5], 5, 9, [6]) is None                 # drafted after another token at 4
+    assert place(tokens, [4, 5], 6, 6, [7]) is None                 # a gap: the piece before it was dropped
+    assert place(tokens, [], 2, 2, [3, 4, 5]) == [4, 5]             # a verdict committed its first token
+    assert place(tokens, [], 2, 2, [9, 4]) is None                  # ... or another one there: stale
+    assert place(tokens, [], 0, 0, [1]) is None                     # index 0 is the prompt's
+
+
+class _Session:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+@pytest.mark.unit
+async def test_the_verify_side_run_takes_pieces_while_a_pass_commits():
+    run = StreamedRun(_Session([1, 2, 3]), max_proposal=2)
+    run.add(ipb.Proposal(token_ids=[4], start=3, after=3))
+    run.add(ipb.Proposal(token_ids=[5, 6], start=4, after=4))
+    assert await run.next() == [4, 5]                               # at most max_proposal
+    run.judged([4, 7])                                              # 5 rejected, 7 the target's own
+    assert run.run == [] and run.tokens == [1, 2, 3, 4, 7]
+    run.add(ipb.Proposal(token_ids=[8], start=6, after=6))          # drafted after 6: stale
+    assert run.run == []
+    run.add(ipb.Proposal(token_ids=[7, 8], start=4, after=4))       # the draft caught up: 7 is known
+    assert run.run == [8]
+    run.judged([8, 9])
+    run.add(ipb.Proposal(start=0))                                  # nothing to propose: plain steps
+    assert await run.next() == []
+    run.end()
+    run.plain = False
+    assert await run.next() is None
+
+
+# ---- the service (in process, real gRPC) ----
+
+PROMPTS = ["def add(a, b):", "for i in range(10):\n", "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"]
+NEW = 32
+
+
+@pytest.fixture
+def streaming(stack):
+    stack.draft.drafting.adaptive_k = False
+    stack.draft.drafting.pipeline = True
+    yield stack
+    stack.draft.drafting.adaptive_k = True
+    stack.draft.drafting.pipeline = False
+
+
+def generate(oracle, prompt: str, n: int) -> str:
+    model, tok = oracle
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def sent(outcome: str) -> float:
+    return metrics.STREAMED.labels(outcome)._value.get()
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("method,k", [("model", 4), ("model", 16), ("ngram", 8)])
+async def test_streamed_greedy_equals_the_target_alone(streaming, oracle, method, k):
+    before = sent("sent")
+    stub = pb_grpc.GenerationServiceStub(streaming.channel)
+    for prompt in PROMPTS:
+        r = await stub.Generate(build_request(prompt, max_new_tokens=NEW, method=method, k=k), timeout=60)
+        assert r.text == generate(oracle, prompt, NEW)
+        assert r.usage.draft_method == method
+    assert sent("sent") > before, "nothing was streamed"
+    assert await wait_until_idle(streaming) == (0, 0)
+
+
+@pytest.mark.service
+async def test_concurrent_streamed_sessions_share_passes_and_stay_exact(streaming, oracle):
+    stub = pb_grpc.GenerationServiceStub(streaming.channel)
+    cases = [(p, m) for p in PROMPTS for m in ("model", "ngram")]
+    out = await asyncio.gather(*(stub.Generate(build_request(p, max_new_tokens=NEW, method=m, k=6), timeout=60)
+                                 for p, m in cases))
+    for (prompt, _), r in zip(cases, out):
+        assert r.text == generate(oracle, prompt, NEW)
+
+
+@pytest.mark.service
+async def test_sampled_requests_keep_their_seed_whether_or_not_the_worker_streams(stack):
+    stub = pb_grpc.GenerationServiceStub(stack.channel)
+    req = build_request("def add(a, b):", max_new_tokens=24, temperature=1.3, top_p=0.95, seed=7, method="model", k=4)
+    texts = []
+    for pipeline in (False, True):
+        stack.draft.drafting.pipeline = pipeline
+        try:
+            texts.append((await stub.Generate(req, timeout=60)).text)
+        finally:
+            stack.draft.drafting.pipeline = False
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.service
+async def test_a_sampled_session_cannot_stream(stack):
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        call = ipb_grpc.VerifyServiceStub(ch).Verify()
+        await call.write(ipb.VerifyRequest(open=ipb.OpenSession(
+            session_id="", prompt_ids=[1, 2, 3], stream=True,
+            sampling=ipb.WorkerSampling(temperature=1.0, top_p=1.0, max_new_tokens=4))))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream needs a greedy session" in e.value.details()
