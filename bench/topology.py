@@ -11,7 +11,8 @@ static routing (and a draft worker) of its own, so that a request picks its layo
 - plain: the target alone (draft method none), the verify worker's CPUs to itself;
 - co-located: a draft worker on the verify worker's CPUs, the two taking turns;
 - split: the draft worker on the other CPUs;
-- split-ahead: split, with --pipeline (it drafts the next proposal while the target verifies);
+- split-ahead: split, with --pipeline (the draft worker streams its proposals, drafting while the target
+  verifies);
 - link-Nms: split-ahead, dialing the verify worker through tandem.linkproxy (--verify-route) with
   N ms of one-way delay, set before each run.
 

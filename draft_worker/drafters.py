@@ -36,11 +36,10 @@ class Draft:
     kind: int | None = None                    # proposals of one kind share an acceptance record:
                                                # the n-gram drafter's match length; None: one for all
     forced: int = 0                            # leading tokens a guide forces (jump-forward), not drafted
-    unsure: bool = False                       # the draft gave its last token less than its --confidence
 
     def prefix(self, n: int) -> Draft:
         return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind,
-                     min(self.forced, n), self.unsure and n >= len(self.tokens))
+                     min(self.forced, n))
 
 
 class DraftState(Protocol):
@@ -187,7 +186,6 @@ class _Proposal:
         self.tokens: list[int] = []
         self.support: list | None = [] if not state.params.greedy else None
         self.advanced = 0                    # tokens the guide's matcher took along this proposal
-        self.unsure = False
 
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
@@ -208,8 +206,7 @@ class _Proposal:
         self.tokens.append(token)
         if st.grammar is not None:
             self.advanced += st.grammar.advance([token])
-        self.unsure = q_token < st.confidence
-        done = len(self.tokens) >= self.k or token in st.eos_ids or self.unsure
+        done = len(self.tokens) >= self.k or token in st.eos_ids or q_token < st.confidence
         self.feed = [] if done else [token]
         return self.feed
 
@@ -217,7 +214,7 @@ class _Proposal:
         if self.state.grammar is not None:
             self.state.grammar.rollback(self.advanced)
             self.advanced = 0
-        return Draft(self.tokens, self.support, unsure=self.unsure)
+        return Draft(self.tokens, self.support)
 
 
 class NgramDrafter:

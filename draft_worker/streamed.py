@@ -3,10 +3,11 @@ the target verifies, each drafted token sent the moment it exists, so that a dra
 of its own works while the verify pool does, and a link's round trip is not paid per round.
 
 Two tasks per request. The drafting task extends the run (the tokens sent and not yet judged) one
-model step at a time, or by a whole n-gram continuation, and sends each as a piece. It pauses after
-a token the draft is unsure of (--confidence), when the run holds two proposals' worth, or when
-it has nothing to propose, and says so (a message without tokens): the verify worker then verifies
-what it has, or decodes plainly until a piece comes when it has nothing. The reading
+model step at a time, or by a whole n-gram continuation, and sends each as a piece. It drafts on
+past tokens it is unsure of (whatever it drafts while the target verifies costs the target nothing
+until it arrives, and is void if a verdict goes another way), and pauses when the run holds two
+proposals' worth or when it has nothing to propose; then it says so (a message without tokens), and
+a verify worker with nothing to verify decodes plainly until a piece comes. The reading
 task takes each verdict: the committed tokens go to the gateway, and the run keeps what a verdict
 leaves standing (tandem/speculation/stream.py), the same rule the verify worker keeps. Greedy
 requests only: a sampled draft must take its random numbers in an order that no timing changes.
@@ -18,7 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from tandem.service import metrics
+from tandem.service import metrics, telemetry
 from tandem.speculation.stream import after_verdict
 from tandem.v1 import internal_pb2 as pb
 
@@ -54,9 +55,16 @@ class Streaming:
                 raise
             committed = list(verdict.token_ids)
             kept = after_verdict(self.run, committed)
-            if self.run[:len(committed)] != committed:
+            forked = self.run[:len(committed)] != committed
+            if forked:
                 self.fork += 1
                 metrics.STREAMED.labels("void").inc(max(0, len(self.run) - verdict.checked))
+            with telemetry.span("speculation round") as span:     # the pass's verdict, as it arrived
+                if span is not None:
+                    span.set_attributes(telemetry.round_attributes(
+                        verdict.checked, verdict.accepted, committed, verdict.batch_size, verdict.verify_seconds))
+                    span.set_attributes({"tandem.spec.streamed_run": len(self.run),
+                                         "tandem.spec.run_kept": len(kept), "tandem.spec.forked": forked})
             self.run = kept
             self.verdicts += 1
             spec.tokens.extend(committed)
@@ -97,11 +105,10 @@ class Streaming:
                 draft, _ = await spec._draft(context, 1 if spec.drafter.uses_model else room)
                 if fork != self.fork:
                     continue                     # a verdict went another way while this was drafted
-                pause = not draft.tokens or draft.unsure
                 if draft.tokens:
                     self.run += draft.tokens     # before the send: its verdict may come back at once
-                    await self._send(draft.tokens, len(context), context[-1], not pause and self._room() > 0)
-                if pause:
+                    await self._send(draft.tokens, len(context), context[-1])
+                else:
                     self.paused_at = seen        # unless a verdict came meanwhile: then draft on
         except asyncio.CancelledError:
             raise
@@ -115,10 +122,10 @@ class Streaming:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _send(self, tokens: list[int], start: int, after: int, more: bool = False) -> None:
+    async def _send(self, tokens: list[int], start: int, after: int) -> None:
         metrics.STREAMED.labels("sent").inc(len(tokens))
         await self.spec.call.write(pb.VerifyRequest(proposal=pb.Proposal(token_ids=tokens, start=start,
-                                                                         after=after, more=more)))
+                                                                         after=after)))
 
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():

@@ -219,6 +219,9 @@ def main(argv=None) -> None:
              help="pin processes to CPUs: verify=CPUS,draft=CPUS,gateway=CPUS, each a list like 0, 0-1 or "
                   "0,2-3 (verify=0-1,3,draft=2); a process left out runs on any CPU; keep --threads at most "
                   "a process's CPUs")
+    add_flag(parser, "--pipeline", default=False, type=bool,
+             help="the draft worker streams its proposals, drafting while the target verifies (its --pipeline): "
+                  "for a draft worker with CPUs of its own (--cpus)")
     args = parser.parse_args(argv)
     try:
         cpus = parse_cpus(args.cpus)
@@ -231,7 +234,8 @@ def main(argv=None) -> None:
         if spec and spec != "none":
             print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
     stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port,
-                  verify_args=["--head", args.head] if args.head else [], cpus=cpus)
+                  verify_args=["--head", args.head] if args.head else [], cpus=cpus,
+                  draft_args=["--pipeline"] if args.pipeline else [])
     stack.start()
     print(f"\nTandem is serving on {stack.address('gateway')} (verify {stack.address('verify_worker')}, "
           f"draft {stack.address('draft_worker')}, Redis {redacted(stack.redis_url)})\n"
