@@ -33,6 +33,8 @@ stop, which is why speculation no longer slows a busy worker down.
 
 from __future__ import annotations
 
+from tandem.speculation.survival import Survival
+
 
 class _Rate:
     """Tokens per second over recent rounds, older rounds weighing less."""
@@ -47,53 +49,6 @@ class _Rate:
     @property
     def value(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
-
-
-class Survival:
-    """How often a proposal is accepted through position j (1-based), over recent proposals that
-    reached j, older ones weighing less. Each position also counts one proposal accepted at a
-    prior rate: half the time for the first, and for position j the rate through j - 1 times the
-    first's, as if each token were accepted alike, which follows measured acceptance closely.
-    Counting unseen positions as always accepted, as this once did, sends every new session's
-    proposals whole into a saturated worker (both measured in docs/benchmarks.md, "Measurements
-    behind the code's rules")."""
-
-    def __init__(self, positions: int = 64, decay: float = 0.95) -> None:
-        self.decay = decay
-        self.reached = [0.0] * (positions + 1)
-        self.accepted = [0.0] * (positions + 1)
-
-    def add(self, proposed: int, accepted: int) -> None:
-        for j in range(1, min(proposed, len(self.reached) - 1) + 1):
-            self.reached[j] = self.reached[j] * self.decay + 1
-            self.accepted[j] = self.accepted[j] * self.decay + (accepted >= j)
-
-    def copy(self, weight: float) -> Survival:
-        """A copy whose counts weigh at most `weight` proposals, so that a session's own rounds soon
-        outweigh it."""
-        scale = min(1.0, weight / self.reached[1]) if self.reached[1] else 1.0
-        c = Survival(len(self.reached) - 1, self.decay)
-        c.reached = [x * scale for x in self.reached]
-        c.accepted = [x * scale for x in self.accepted]
-        return c
-
-    def worth(self, k: int, price: float) -> int:
-        """The longest prefix of k positions each of which is accepted more often than `price`
-        (all k when there is no price: the worker has time to spare)."""
-        if price <= 0:
-            return k
-        rate = first = (self.accepted[1] + 0.5) / (self.reached[1] + 1)
-        for j in range(1, min(k, len(self.reached) - 1) + 1):
-            if j > 1:
-                rate = (self.accepted[j] + rate * first) / (self.reached[j] + 1)
-            if rate <= price:
-                return j - 1
-        return k
-
-    def hopeful(self, price: float) -> bool:
-        """Whether the first position may be accepted more often than `price`: its rate counting
-        one more proposal accepted, which weighs less the more proposals were measured."""
-        return price <= 0 or (self.accepted[1] + 1) / (self.reached[1] + 1) > price
 
 
 class SpeculationController:

@@ -8,7 +8,6 @@ import logging
 
 import grpc
 
-from draft_worker.controller import Survival
 from draft_worker.drafters import Drafter
 from draft_worker.speculation import JUMP_FORWARD, Drafting, Speculation, VerifyClosed
 from tandem.engine.batcher import Batcher
@@ -17,6 +16,7 @@ from tandem.service import logs, metrics, wire
 from tandem.service.server import channel as traced_channel
 from tandem.speculation.grammar import Grammars
 from tandem.speculation.sampling import SamplingError
+from tandem.speculation.survival import Survival
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
+from draft_worker.controller import SpeculationController, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter, DraftState
 from draft_worker.streamed import Streaming
 from tandem.engine.batcher import Batcher
@@ -24,6 +24,7 @@ from tandem.engine.thread import InferenceThread
 from tandem.service import metrics, telemetry, wire
 from tandem.speculation.grammar import GrammarError, Grammars, Matcher
 from tandem.speculation.sampling import SamplingParams
+from tandem.speculation.survival import Survival
 from tandem.v1 import internal_pb2 as pb
 
 
@@ -263,6 +264,8 @@ class Speculation:
     async def finish(self) -> None:
         """Ends the verify stream in order once the last chunk is out, reading it to its end so
         that the call (and its client span) closes now, not at garbage collection."""
+        if self.streaming is not None:
+            await self.streaming.stop()
         await self.call.done_writing()
         while await self.call.read() is not grpc.aio.EOF:
             pass

@@ -130,3 +130,9 @@ class Streaming:
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+    async def stop(self) -> None:
+        """Ends drafting before the stream is closed for writing: no piece may follow that."""
+        self.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from draft_worker.controller import SpeculationController, Survival, controller_for, plain_instead
+from draft_worker.controller import SpeculationController, controller_for, plain_instead
+from tandem.speculation.survival import Survival
 
 pytestmark = pytest.mark.unit
 

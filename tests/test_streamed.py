@@ -52,18 +52,34 @@ async def test_the_verify_side_run_takes_pieces_while_a_pass_commits():
     run.add(ipb.Proposal(token_ids=[4], start=3, after=3))
     run.add(ipb.Proposal(token_ids=[5, 6], start=4, after=4))
     assert await run.next() == [4, 5]                               # at most max_proposal
-    run.judged([4, 7])                                              # 5 rejected, 7 the target's own
+    run.judged([4, 7], 2, 1)                                        # 5 rejected, 7 the target's own
     assert run.run == [] and run.tokens == [1, 2, 3, 4, 7]
     run.add(ipb.Proposal(token_ids=[8], start=6, after=6))          # drafted after 6: stale
     assert run.run == []
     run.add(ipb.Proposal(token_ids=[7, 8], start=4, after=4))       # the draft caught up: 7 is known
     assert run.run == [8]
-    run.judged([8, 9])
+    run.judged([8, 9], 1, 1)
     run.add(ipb.Proposal(start=0))                                  # nothing to propose: plain steps
     assert await run.next() == []
     run.end()
     run.plain = False
     assert await run.next() is None
+
+
+@pytest.mark.unit
+async def test_under_load_a_pass_takes_only_the_positions_worth_their_price():
+    price = [0.0]
+    run = StreamedRun(_Session([1]), max_proposal=8, price=lambda: price[0])
+    run.add(ipb.Proposal(token_ids=[2, 3, 4, 5, 6], start=1, after=1))
+    assert await run.next() == [2, 3, 4, 5, 6]                      # alone in its passes: no price
+    price[0] = 0.6
+    assert await run.next() == [2]                                  # nothing measured: one position
+    for _ in range(20):
+        run.survival.add(5, 5)                                      # runs accepted whole, often
+    assert await run.next() == [2, 3, 4, 5, 6]
+    for _ in range(40):
+        run.survival.add(5, 1)                                      # then only their first tokens
+    assert await run.next() == [2]
 
 
 # ---- the service (in process, real gRPC) ----

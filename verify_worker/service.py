@@ -190,13 +190,13 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if not session.params.greedy:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "stream needs a greedy session: sampled proposals carry their distributions")
-        run = StreamedRun(session, self.engine.max_proposal)
+        run = StreamedRun(session, self.engine.max_proposal, lambda: self.price.for_batch(len(self.sessions)))
         reader = asyncio.create_task(read_pieces(requests, run))
         try:
             while (tokens := await run.next()) is not None:
                 await self._check_owner(context, session)
                 ran = await self._verify(context, session, tokens, ())
-                run.judged(ran.value.token_ids)
+                run.judged(ran.value.token_ids, ran.fed - 1, ran.value.accepted)
                 yield self._verdict(ran, len(tokens))
                 if ran.value.stop_reason:
                     return

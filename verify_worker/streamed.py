@@ -1,7 +1,11 @@
 """A streamed session on the verify worker (OpenSession.stream): the draft worker's pieces gather in
-a run while passes go on, and each pass verifies whatever part of the run has arrived (at most a
-proposal's worth), so that the target never waits for a proposal to be complete. It waits only when
-nothing has arrived and the draft has not said it has nothing (then it decodes plainly).
+a run while passes go on, and each pass verifies whatever part of the run has arrived, so that the
+target never waits for a proposal to be complete. It waits only when nothing has arrived and the
+draft has not said it has nothing (then it decodes plainly).
+
+A pass takes at most a proposal's worth, and under load only the positions worth their price: those
+this session's runs were accepted through more often than the price one position makes the other
+sessions of the pass pay (tandem/speculation/survival.py, verify_worker/price.py), and at least one.
 
 Taking whatever has arrived was measured against awaiting a new chain whole (until the draft
 paused or a proposal's worth had come): the Qwen pair on a core each, 8.81 against 8.45 tokens/s,
@@ -10,15 +14,18 @@ the verify worker busy 93% of the time against 63% (docs/benchmarks.md, Topology
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from tandem.speculation.stream import after_verdict, place
+from tandem.speculation.survival import Survival
 from tandem.v1 import internal_pb2 as pb
 from verify_worker.engine import TargetSession
 
 
 class StreamedRun:
-    def __init__(self, session: TargetSession, max_proposal: int) -> None:
-        self.max_proposal = max_proposal
+    def __init__(self, session: TargetSession, max_proposal: int, price: Callable[[], float] = lambda: 0.0) -> None:
+        self.max_proposal, self.price = max_proposal, price
+        self.survival = Survival()      # this session's acceptance by position
         # The session's tokens as of the last verdict, kept here: a pass commits to the session's
         # own list on the inference thread before its verdict is taken in here.
         self.tokens = list(session.tokens)
@@ -51,9 +58,12 @@ class StreamedRun:
             await self._changed.wait()
         if self.error is not None or (self.ended and not (self.run or self.plain)):
             return None
-        return self.run[:self.max_proposal]
+        n = min(len(self.run), self.max_proposal)
+        return self.run[:max(1, self.survival.worth(n, self.price())) if n else 0]
 
-    def judged(self, committed: list[int]) -> None:
+    def judged(self, committed: list[int], checked: int, accepted: int) -> None:
+        if checked:
+            self.survival.add(checked, accepted)
         self.tokens += committed
         self.run = after_verdict(self.run, committed)
 
