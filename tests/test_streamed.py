@@ -80,6 +80,10 @@ async def test_under_load_a_pass_takes_only_the_positions_worth_their_price():
     for _ in range(40):
         run.survival.add(5, 1)                                      # then only their first tokens
     assert await run.next() == [2]
+    for _ in range(30):                                             # each pass judges one token and the
+        run.judged([2, 3], 1, 1)                                    # target's next agrees with the run's
+        run.tokens, run.run = [1], [2, 3, 4, 5, 6]
+    assert len(await run.next()) > 1                                # so the cut grows back
 
 
 # ---- the service (in process, real gRPC) ----

@@ -62,8 +62,16 @@ class StreamedRun:
         return self.run[:max(1, self.survival.worth(n, self.price())) if n else 0]
 
     def judged(self, committed: list[int], checked: int, accepted: int) -> None:
+        """After a pass that judged `checked` tokens of the run and accepted `accepted`. When all were
+        accepted, the target's own next token also says whether the run's next token would have
+        been: acceptance is learnt one position past the pass, so a run cut short under load can
+        earn its length back."""
         if checked:
-            self.survival.add(checked, accepted)
+            proposed = checked
+            if accepted == checked and len(committed) == accepted + 1 and len(self.run) > checked:
+                proposed += 1
+                accepted += self.run[checked] == committed[-1]
+            self.survival.add(proposed, accepted)
         self.tokens += committed
         self.run = after_verdict(self.run, committed)
 
