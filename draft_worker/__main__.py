@@ -36,9 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="stop a proposal early after a token the draft gives less than this probability")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
     add_flag(parser, "--pipeline", default=False, type=bool,
-             help="greedy requests: draft the next proposal while the verify worker checks this one, on the "
-                  "guess that it is all accepted, stopping as soon as the verdict says otherwise; pays off "
-                  "when draft and verify workers run on hardware of their own")
+             help="greedy requests without a guide: stream proposals, drafting on while the verify worker "
+                  "checks what has arrived; pays off when draft and verify workers run on hardware of their own")
     add_flag(parser, "--verify-route", default="",
              help="comma-separated ADDRESS=VIA pairs: dial VIA where a verify worker registered ADDRESS "
                   "(a proxy or tunnel on the link between the pools)")

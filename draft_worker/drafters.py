@@ -56,8 +56,8 @@ class DraftState(Protocol):
 
 class Drafter(Protocol):
     name: str
-    # A draft model: its vocabulary must be the target's, and drafting ahead while the target
-    # verifies (the worker's --pipeline) pays only for it.
+    # A draft model: its vocabulary must be the target's; streamed, it drafts a token a step (any
+    # other drafter proposes as far as it can at once).
     uses_model: bool
     # grammar: the guide's matcher at the context propose() will be given; a drafter that takes it
     # drafts under its mask (and leaves it as it found it), any other is cut by the caller.

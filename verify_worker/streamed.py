@@ -7,9 +7,8 @@ A pass takes at most a proposal's worth, and under load only the positions worth
 this session's runs were accepted through more often than the price one position makes the other
 sessions of the pass pay (tandem/speculation/survival.py, verify_worker/price.py), and at least one.
 
-Taking whatever has arrived was measured against awaiting a new chain whole (until the draft
-paused or a proposal's worth had come): the Qwen pair on a core each, 8.81 against 8.45 tokens/s,
-the verify worker busy 93% of the time against 63% (docs/benchmarks.md, Topology)."""
+Taking whatever has arrived beat awaiting a new chain whole, until the draft paused or a proposal's
+worth had come (docs/benchmarks.md, "Choosing the streaming rules")."""
 
 from __future__ import annotations
 
