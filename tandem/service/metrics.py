@@ -94,11 +94,11 @@ SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos"
 STREAMED = Counter("tandem_draft_streamed_tokens", "Streamed proposals (--pipeline): tokens sent to the verify "
                    "worker as drafted (sent), and of those, the ones a verdict voided before they were judged "
                    "(void: drafted after a token the target did not take)", ["outcome"], registry=_NO)
-
-# ---- verify worker ----
 LINK_EVENTS = Counter("tandem_draft_link_events", "Requests a fault of the link to their verify worker ended "
                       "here: unreachable (no connection within --link-timeout), lost (the stream broke mid-request)",
                       ["event"], registry=_NO)
+
+# ---- verify worker ----
 VERIFY_QUEUE = Gauge("tandem_verify_queue_depth", "Work waiting for the target: rounds and prefill chunks queued "
                      "for the next batch plus requests waiting for KV admission; the verify pool autoscales "
                      "on it", registry=_NO)
