@@ -3,6 +3,7 @@ through a userspace proxy (tandem.linkproxy) that stalls, resets, partitions and
 while the gateway still reaches both workers. Output must equal transformers' generate on the target
 alone, nothing may be lost, and speculation must come back once the link does."""
 
+import signal
 import time
 
 import grpc
@@ -129,3 +130,15 @@ def test_latency_spikes_are_ridden_out_without_a_fallback(linked, expected):
     text, final, _ = stream(stack, N, lambda: proxy.spike(20, 3))
     assert text == expected[N] and final.usage.draft_method == "model" and final.usage.draft_tokens > 0
     assert moved(before, scrape(stack, "gateway"), "tandem_link_fallbacks_total", event="fallback") == 0
+
+
+def test_a_frozen_draft_worker_is_noticed_and_the_request_decodes_on(linked, expected):
+    """SIGSTOP: the draft worker's process stops answering, its sockets stay open. The gateway's
+    keepalive closes its connection within seconds; the request goes on at its verify worker."""
+    stack, _ = linked
+    try:
+        text, final, seconds = stream(stack, N, lambda: stack.kill("draft_worker", signal.SIGSTOP))
+        assert text == expected[N] and final.usage.generated_tokens == N
+        assert seconds < 30
+    finally:
+        stack.kill("draft_worker", signal.SIGCONT)
