@@ -87,11 +87,11 @@ class Speculation:
         self.grammar = await self._grammar()
         self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
                                         proposal_room(opened.max_proposal), self.grammar)
-        # Greedy only: a sampled request's output must not depend on measured timings, so that its
-        # seed reproduces it on any worker.
         if stream:
             self.streaming = Streaming(self)
             return opened
+        # Greedy only: a sampled request's output must not depend on measured timings, so that its
+        # seed reproduces it on any worker.
         if self.drafting.adaptive_k and self.params.greedy:
             self.control = controller_for(opened.forward_ms, prior, opened.token_cost)
         self.pending = self._propose(self.tokens, self._next_k())
@@ -126,8 +126,6 @@ class Speculation:
             async for chunk in self.streaming.chunks():
                 yield chunk
             return
-        cached = self.opened.cached_tokens            # reported once, on the first chunk
-        prompt_reports = self.opened.prompt_logprobs
         owed, arrived = 0, 0.0      # verdicts still to come of a run of plain rounds; when the last came
         draft = Draft([])
         while True:
@@ -153,11 +151,7 @@ class Speculation:
                 metrics.PROPOSE.observe(propose_s)
                 metrics.ROUND_TRIP.observe(rtt_s)
             checked, forced, forced_accepted = self._apply(draft, verdict, propose_s + rtt_s, rtt_s)
-            chunk = pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=checked - forced,
-                                  accepted_tokens=verdict.accepted - forced_accepted, forced_tokens=forced,
-                                  forced_accepted=forced_accepted, stop_reason=verdict.stop_reason,
-                                  cached_tokens=cached, logprobs=verdict.logprobs, prompt_logprobs=prompt_reports)
-            cached, prompt_reports = 0, ()
+            chunk = self.chunk(verdict, checked - forced, verdict.accepted - forced_accepted, forced, forced_accepted)
             if verdict.stop_reason:
                 yield chunk
                 return
@@ -181,9 +175,6 @@ class Speculation:
         forced = min(draft.forced, checked)
         forced_accepted = min(draft.forced, verdict.accepted)
         metrics.observe_verdict(JUMP_FORWARD, forced, forced_accepted)
-        metrics.observe_verdict(self.drafter.name, checked - forced, verdict.accepted - forced_accepted)
-        self.rounds, self.drafted, self.accepted = (self.rounds + 1, self.drafted + checked - forced,
-                                                    self.accepted + verdict.accepted - forced_accepted)
         if self.control is not None:
             self.control.observe(checked, len(verdict.token_ids), round_s, verdict.accepted, verdict.token_cost,
                                  plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
@@ -196,6 +187,18 @@ class Speculation:
                 self.grammar.rollback(taken)
                 self.grammar = None
         return checked, forced, forced_accepted
+
+    def chunk(self, verdict: pb.Verdict, drafted: int, accepted: int, forced: int = 0,
+              forced_accepted: int = 0) -> pb.TokenChunk:
+        """One verdict's chunk for the gateway, its drafted and accepted tokens counted in the metrics
+        and the request's totals; the first chunk also carries the prompt's cached tokens and reports."""
+        metrics.observe_verdict(self.drafter.name, drafted, accepted)
+        first = self.rounds == 0
+        self.rounds, self.drafted, self.accepted = self.rounds + 1, self.drafted + drafted, self.accepted + accepted
+        return pb.TokenChunk(token_ids=verdict.token_ids, draft_tokens=drafted, accepted_tokens=accepted,
+                             forced_tokens=forced, forced_accepted=forced_accepted, stop_reason=verdict.stop_reason,
+                             cached_tokens=self.opened.cached_tokens if first else 0, logprobs=verdict.logprobs,
+                             prompt_logprobs=self.opened.prompt_logprobs if first else ())
 
     def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
         """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
@@ -275,8 +278,7 @@ class Speculation:
         self.call.cancel()
         if self.streaming is not None:
             self.streaming.cancel()
-        for job in (self.pending,):
-            if job is not None and not job.done():
-                job.cancel()                 # its result is not needed; close runs after it
+        if self.pending is not None and not self.pending.done():
+            self.pending.cancel()            # its result is not needed; close runs after it
         if self.state is not None:
             await self.drafting.inference.run(self.state.close)

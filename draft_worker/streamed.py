@@ -44,7 +44,6 @@ class Streaming:
 
     async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
         spec = self.spec
-        cached, prompt_reports = spec.opened.cached_tokens, spec.opened.prompt_logprobs
         self._task = asyncio.create_task(self._drafting())
         while True:
             try:
@@ -68,15 +67,8 @@ class Streaming:
             self.run = kept
             self.verdicts += 1
             spec.tokens.extend(committed)
-            checked = verdict.checked
-            metrics.observe_verdict(spec.drafter.name, checked, verdict.accepted)
-            spec.rounds, spec.drafted, spec.accepted = (spec.rounds + 1, spec.drafted + checked,
-                                                        spec.accepted + verdict.accepted)
             self._wake.set()
-            yield pb.TokenChunk(token_ids=committed, draft_tokens=checked, accepted_tokens=verdict.accepted,
-                                stop_reason=verdict.stop_reason, cached_tokens=cached, logprobs=verdict.logprobs,
-                                prompt_logprobs=prompt_reports)
-            cached, prompt_reports = 0, ()
+            yield spec.chunk(verdict, verdict.checked, verdict.accepted)
             if verdict.stop_reason:
                 return
 

@@ -92,14 +92,13 @@ def build_core(args: argparse.Namespace) -> GenerationCore:
     config = AutoConfig.from_pretrained(resolve(args.model))
     if args.verify_workers:
         router, conversations = StaticRouter(args.verify_workers.split(","), args.draft_workers.split(",")), None
-        router.link_seconds = args.link_retry_seconds
         log.info("static routing: verify %s, draft %s; Redis is not used", args.verify_workers, args.draft_workers)
     else:
         client = connect(args.redis_url)
         router = RedisRouter(Registry(client), args.model, args.redis_url)
-        router.link_seconds = args.link_retry_seconds
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
+    router.link_seconds = args.link_retry_seconds
     return GenerationCore(load_tokenizer(args.model), args.model, context_length(config), router,
                           conversations, max_migrations=args.max_migrations, trace_content=args.trace_content)
 

@@ -94,7 +94,6 @@ class Batcher:
         self._away: weakref.WeakKeyDictionary[SessionCache, float] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._loop_ref: asyncio.AbstractEventLoop | None = None     # where the passes' results go
         # per pass: (sessions, round tokens, prefill tokens, seconds of its forward pass), on the
         # event loop before any of its steps' results
         self.observers: list[Callable[[int, int, int, float], None]] = []
@@ -127,7 +126,6 @@ class Batcher:
         return await queued.future
 
     async def _loop(self) -> None:
-        self._loop_ref = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -140,7 +138,8 @@ class Batcher:
                 prefill = sum(len(s.tokens) for s in steps if s.prefill)
                 tokens = sum(len(s.tokens) for s in steps) - prefill
                 try:
-                    _, seconds = await self.inference.run_timed(self._run, batch, tokens, prefill)
+                    _, seconds = await self.inference.run_timed(self._run, batch, tokens, prefill,
+                                                                asyncio.get_running_loop())
                 except Exception as e:           # the pass itself failed: every step hears of it
                     for queued in batch:
                         self._settle(queued, e, None)
@@ -220,11 +219,11 @@ class Batcher:
         for observe in self.observers:
             observe(sessions, tokens, prefill, seconds)
 
-    def _run(self, batch: list[_Queued], tokens: int, prefill: int) -> None:
+    def _run(self, batch: list[_Queued], tokens: int, prefill: int, loop: asyncio.AbstractEventLoop) -> None:
         """On the inference thread: room for every step first (a step that cannot get it fails
         alone), one forward pass, then each follow-up, whose result goes back to its session the
         moment it is there: a verdict is not held up by the other sessions' follow-ups."""
-        loop, start = self._loop_ref, time.perf_counter()
+        start = time.perf_counter()
         steps = [q.step for q in batch]
         outcomes: list[Any] = [None] * len(steps)
 
