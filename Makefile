@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed protos
 
-$(GEN_STAMP): $(PROTOS) $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+$(GEN_STAMP): $(PROTOS) protos/generate.sh $(VENV)/.installed
+	protos/generate.sh $(PY)
 	touch $@
 
 protos: $(GEN_STAMP)
@@ -99,4 +99,4 @@ image-check:
 deploy-check: test-deploy
 
 clean:
-	rm -rf tandem/v1 fmaas .pytest_cache
+	rm -rf tandem/v1 fmaas vllm_engine .pytest_cache

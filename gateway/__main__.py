@@ -1,4 +1,4 @@
-"""python -m gateway: the public gRPC endpoint (tandem.v1 and TGIS fmaas)."""
+"""python -m gateway: the public gRPC endpoint (tandem.v1, TGIS fmaas and vLLM's engine protocol)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from gateway.core import GenerationCore
 from gateway.guard import ClientGuard, TokenSet
 from gateway.request import Limits
 from gateway.routing import RedisRouter, StaticRouter
-from gateway.service import GenerationServicer
-from gateway.tgis import add_tgis_service
+from gateway.faces import SERVICES, add_faces
+from gateway.observe import export_load
+from gateway.vllm import ModelFacts
 from tandem.cluster.redis_conn import connect, redacted
 from tandem.cluster.registry import Registry
 from tandem.cluster.sessions import SessionStore
 from tandem.engine.modeling import context_length, load_tokenizer, resolve
 from tandem.service.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
 from tandem.service.server import service_from_args, setup_observability
-from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("gateway")
 
@@ -82,7 +82,7 @@ def build_guard(args: argparse.Namespace) -> ClientGuard:
     return ClientGuard(tokens, args.max_streams_per_client, args.rate_limit, args.rate_burst)
 
 
-def build_core(args: argparse.Namespace) -> GenerationCore:
+def build_core(args: argparse.Namespace) -> tuple[GenerationCore, ModelFacts]:
     if args.max_migrations < 0:
         raise SystemExit(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.link_retry_seconds <= 0:
@@ -99,8 +99,10 @@ def build_core(args: argparse.Namespace) -> GenerationCore:
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
     router.link_seconds = args.link_retry_seconds
-    return GenerationCore(load_tokenizer(args.model), args.model, context_length(config), router,
+    tokenizer = load_tokenizer(args.model)
+    core = GenerationCore(tokenizer, args.model, context_length(config), router,
                           conversations, max_migrations=args.max_migrations, trace_content=args.trace_content)
+    return core, ModelFacts.read(args.model, resolve(args.model), config, tokenizer)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -111,12 +113,10 @@ async def main(args: argparse.Namespace) -> None:
                     max_prompt_chars=args.max_prompt_chars, max_stop_sequences=args.max_stop_sequences,
                     max_stop_sequence_chars=args.max_stop_sequence_chars, max_guide_chars=args.max_guide_chars)
     guard = build_guard(args)
-    core = build_core(args)
-    names = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-             "fmaas.GenerationService"]
-    service = service_from_args(names, args, entry=True, guard=guard)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), service.server)
-    add_tgis_service(service.server, core, limits)
+    core, facts = build_core(args)
+    service = service_from_args(list(SERVICES), args, entry=True, guard=guard)
+    add_faces(service.server, core, limits, facts)
+    export_load(core.router.kv_snapshot)
     port = service.listen(args.host, args.port)
     await service.serve(args.grace_seconds, on_ready=lambda: log.info(
         "gateway serving %s on %s:%d", args.model, args.host, port))

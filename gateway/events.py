@@ -94,3 +94,4 @@ class Final:
     usage: Usage
     session_id: str
     stop_sequence: str = ""
+    stop_token: int | None = None      # the stop token id that ended it (Finish.STOP_TOKEN)

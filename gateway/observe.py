@@ -22,6 +22,28 @@ log = logging.getLogger("gateway.requests")
 OP_CHAT, OP_TEXT = "chat", "text_completion"      # gen_ai.operation.name values
 
 
+class Load:
+    """The generations this gateway holds now: `running` in all, `waiting` of them with no token
+    out yet (routing, a verify worker's queue, prefill). Read by the metrics and GetLoads."""
+    running = 0
+    waiting = 0
+
+
+LOAD = Load()
+
+
+def export_load(kv_snapshot) -> None:
+    """The load gauges, read at scrape time; kv_snapshot() -> (positions held, budget) of the pool."""
+    def kv_usage() -> float:
+        used, total = kv_snapshot()
+        return used / total if total else 0.0
+    metrics.gauge_from(metrics.RUNNING, lambda: LOAD.running)
+    metrics.gauge_from(metrics.WAITING, lambda: LOAD.waiting)
+    metrics.gauge_from(metrics.VLLM_RUNNING, lambda: LOAD.running - LOAD.waiting)
+    metrics.gauge_from(metrics.VLLM_WAITING, lambda: LOAD.waiting)
+    metrics.gauge_from(metrics.VLLM_KV_USAGE, kv_usage)
+
+
 def status_of(exc: BaseException) -> tuple[str, grpc.StatusCode]:
     """(outcome, status code) of a generation that ended with `exc`, as its face answers it."""
     if isinstance(exc, InvalidRequest):
@@ -46,13 +68,15 @@ class RequestObserver:
         self.last_token_at: float | None = None
         self.done = False
         self.running = False
+        self.waiting = False
         self.span = None
         self._detach = None
         self._parts: list[str] = []
 
     def __enter__(self) -> "RequestObserver":
-        metrics.RUNNING.inc()
-        self.running = True
+        LOAD.running += 1
+        LOAD.waiting += 1
+        self.running = self.waiting = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -65,9 +89,15 @@ class RequestObserver:
         return False
 
     def _not_running(self) -> None:
+        self._not_waiting()
         if self.running:
-            metrics.RUNNING.dec()
+            LOAD.running -= 1
             self.running = False
+
+    def _not_waiting(self) -> None:
+        if self.waiting:
+            LOAD.waiting -= 1
+            self.waiting = False
 
     def begin(self, req: GenRequest, operation: str, messages: list[tuple[str, str]] | None = None) -> None:
         """The request is valid: starts its span, current so that the worker calls are its children."""
@@ -101,6 +131,7 @@ class RequestObserver:
         now = time.perf_counter()
         if self.last_token_at is None:
             metrics.TTFT.observe(now - self.arrived)
+            self._not_waiting()
         else:
             gap = (now - self.last_token_at) / event.token_count
             for _ in range(event.token_count):

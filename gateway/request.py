@@ -14,6 +14,10 @@ from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
 
 DRAFT_METHODS = ("model", "ngram", "head", "none")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Speculation knobs as call metadata, for faces whose wire format has no field for them.
+MD_METHOD = "x-tandem-draft-method"
+MD_K = "x-tandem-num-speculative-tokens"
+MD_SESSION = "x-tandem-session-id"
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +47,8 @@ class GenRequest:
     params: SamplingParams
     stop_sequences: list[str] = field(default_factory=list)
     include_stop_sequence: bool = False
+    # Token ids that end the output once min_new_tokens are out (the token itself is output).
+    stop_token_ids: frozenset[int] = frozenset()
     method: str = "model"          # model | ngram | none
     k: int = 4                     # speculative tokens per round
     session_id: str = ""
@@ -151,6 +157,23 @@ def check_speculation(limits: Limits, method: str, k: int) -> tuple[str, int]:
         raise InvalidRequest(f"num_speculative_tokens must be between 1 and "
                              f"{limits.max_speculative_tokens}, got {k}")
     return method, k
+
+
+def speculation_metadata(limits: Limits, metadata, batch_size: int = 1) -> tuple[str, int, str]:
+    """(method, k, session id) from a call's x-tandem-* metadata (gRPC's (key, value) pairs), for
+    the faces whose wire format has no place for them (TGIS, vLLM's engine protocol)."""
+    md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    raw_k = md.get(MD_K, "").strip()
+    try:
+        k = int(raw_k) if raw_k else 0
+    except ValueError:
+        raise InvalidRequest(f"{MD_K} must be an integer, got {raw_k!r}") from None
+    method, k = check_speculation(limits, md.get(MD_METHOD, "").strip(), k)
+    session_id = check_session_id(md.get(MD_SESSION, ""))
+    # One session id on several concurrent generations would make them indistinguishable.
+    if session_id and batch_size > 1:
+        raise InvalidRequest(f"{MD_SESSION} names one generation; this batch has {batch_size} requests")
+    return method, k, session_id
 
 
 def check_session_id(session_id: str) -> str:

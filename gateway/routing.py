@@ -63,6 +63,17 @@ class Router:
         # not paired with that verify worker for link_seconds (requests there decode plainly).
         self._links_down: dict[tuple[str, str], float] = {}
         self.link_seconds = link_seconds
+        self.pool: list[WorkerInfo] = []      # the target's verify workers as last read
+
+    async def verify_pool(self) -> list[WorkerInfo]:
+        """The target's verify workers now (RoutingError when they cannot be read)."""
+        return self.pool
+
+    def kv_snapshot(self) -> tuple[int, int]:
+        """(KV positions held, KV budget) over the verify pool as last read; budgets left unset
+        count as neither."""
+        budgeted = [w for w in self.pool if w.capacity]
+        return sum(w.capacity - w.kv_free for w in budgeted), sum(w.capacity for w in budgeted)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -157,6 +168,11 @@ class StaticRouter(Router):
         self.verify = [a for a in verify if a]
         self.draft = [a for a in draft if a]
 
+    async def verify_pool(self) -> list[WorkerInfo]:
+        """The configured verify workers not recently failed (a static list knows no loads or budgets)."""
+        self.pool = [WorkerInfo(a, VERIFY, "", load=self.inflight[a]) for a in self.verify if self._usable(a, set())]
+        return self.pool
+
     def _least_busy(self, addresses: list[str], exclude: set[str]) -> str | None:
         usable = [a for a in addresses if self._usable(a, exclude)]
         return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
@@ -201,10 +217,13 @@ class RedisRouter(Router):
     def room(self, verify: str) -> int:
         return self._rooms.get(verify, proposal_room())
 
+    async def verify_pool(self) -> list[WorkerInfo]:
+        self.pool = [w for w in await self._workers(VERIFY) if w.model == self.model]
+        return self.pool
+
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
                           method: str = "") -> str:
-        workers = [w for w in await self._workers(VERIFY) if w.model == self.model
-                   and (not method or method in w.methods)]
+        workers = [w for w in await self.verify_pool() if not method or method in w.methods]
         self._rooms.update((w.address, w.kv_margin) for w in workers)
         usable = [w for w in workers if self._usable(w.address, exclude)]
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,

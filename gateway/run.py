@@ -41,6 +41,7 @@ class RequestRun:
         self.delivered: list[int] = []          # tokens handed to the client so far, in order
         self.prompt_reported = not req.prompt_details
         self.finish = Finish.NONE
+        self.stop_token: int | None = None
         self.route = Route("", None, "none")
 
     def history(self) -> list[int]:
@@ -49,7 +50,7 @@ class RequestRun:
         return [*self.turn.prompt_ids, *self.delivered]
 
     def final(self) -> Final:
-        return Final(self.finish, self.usage, self.turn.session_id, self.stops.matched or "")
+        return Final(self.finish, self.usage, self.turn.session_id, self.stops.matched or "", self.stop_token)
 
     async def events(self) -> AsyncIterator[Delta]:
         failed: set[str] = set()
@@ -165,16 +166,17 @@ class RequestRun:
         return True
 
     def _take(self, chunk: ipb.TokenChunk, address: str) -> Delta | None:
+        ids = self._until_stop_token(list(chunk.token_ids))
         u = self.usage
-        u.generated_tokens += len(chunk.token_ids)
+        u.generated_tokens += len(ids)
         u.draft_tokens += chunk.draft_tokens
         u.accepted_tokens += chunk.accepted_tokens
         u.forced_tokens += chunk.forced_tokens
         u.forced_accepted_tokens += chunk.forced_accepted
         u.verify_rounds += 1
-        details, prompt_details = self._reports(chunk, address)
-        self.delivered.extend(chunk.token_ids)
-        text = self.detok.add(list(chunk.token_ids))
+        details, prompt_details = self._reports(chunk, ids, address)
+        self.delivered.extend(ids)
+        text = self.detok.add(ids)
         if chunk.stop_reason:
             try:
                 stopped = Finish.from_wire(chunk.stop_reason)
@@ -186,19 +188,35 @@ class RequestRun:
         if self.stops.matched is not None:
             self.finish = Finish.STOP_SEQUENCE
             text += self.stops.matched if self.req.include_stop_sequence else ""
+        elif self.stop_token is not None:
+            self.finish = Finish.STOP_TOKEN
+            text += self.detok.flush() + self.stops.flush()
         elif chunk.stop_reason:
             self.finish = stopped
             text += self.stops.flush()
-        if not (text or chunk.token_ids or prompt_details):
+        if not (text or ids or prompt_details):
             return None
-        return Delta(text, len(chunk.token_ids), details, prompt_details)
+        return Delta(text, len(ids), details, prompt_details)
 
-    def _reports(self, chunk: ipb.TokenChunk, address: str) -> tuple[list[TokenReport], list[TokenReport] | None]:
-        """The chunk's token details and, the first time, the prompt's, as the request asked."""
+    def _until_stop_token(self, ids: list[int]) -> list[int]:
+        """ids up to and including the first of the request's stop tokens past min_new_tokens."""
+        stops = self.req.stop_token_ids
+        if stops:
+            first = max(0, self.req.params.min_new_tokens - len(self.delivered))
+            for i in range(first, len(ids)):
+                if ids[i] in stops:
+                    self.stop_token = ids[i]
+                    return ids[:i + 1]
+        return ids
+
+    def _reports(self, chunk: ipb.TokenChunk, ids: list[int], address: str
+                 ) -> tuple[list[TokenReport], list[TokenReport] | None]:
+        """The details of the chunk's tokens `ids` (cut at a stop token) and, the first time, the
+        prompt's, as the request asked."""
         core, params = self.core, self.req.params
         try:
-            reports = wire.logprobs_from_proto(chunk.token_ids, chunk.logprobs) if params.reports else None
-            details = core.token_reports(chunk.token_ids, reports) if self.req.token_details else []
+            reports = wire.logprobs_from_proto(chunk.token_ids, chunk.logprobs)[:len(ids)] if params.reports else None
+            details = core.token_reports(ids, reports) if self.req.token_details else []
             prompt = None
             if not self.prompt_reported:
                 ids = self.turn.prompt_ids        # never empty; its first token has nothing before it

@@ -26,19 +26,16 @@ from gateway.core import GenerationCore
 from gateway.events import Delta, Final, GatewayError, TokenReport, Usage, answers
 from gateway.observe import OP_TEXT
 from gateway.request import (GenRequest, InvalidRequest, Limits, check_guide, check_guided, check_processing, check_reports,
-                             check_sampling, check_session_id, check_speculation, truncate)
+                             check_sampling, speculation_metadata, truncate)
 from tandem.speculation.finish import Finish
 
 log = logging.getLogger(__name__)
 
-MD_METHOD = "x-tandem-draft-method"
-MD_K = "x-tandem-num-speculative-tokens"
-MD_SESSION = "x-tandem-session-id"
 
 _STOP_REASON = {Finish.LENGTH: pb.MAX_TOKENS, Finish.EOS: pb.EOS_TOKEN, Finish.STOP_SEQUENCE: pb.STOP_SEQUENCE,
                 Finish.CONTEXT_LENGTH: pb.TOKEN_LIMIT, Finish.TIME_LIMIT: pb.TIME_LIMIT,
                 # TGIS has no reason of its own for it: the model could only have ended there
-                Finish.GUIDE: pb.EOS_TOKEN}
+                Finish.GUIDE: pb.EOS_TOKEN, Finish.STOP_TOKEN: pb.STOP_SEQUENCE}
 def _tgis_path(name: str) -> str:
     """Where check_processing's fields live in TGIS's Parameters."""
     return ("params.sampling." if name == "typical_p" else "params.decoding.") + name
@@ -104,20 +101,6 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
                 raise InvalidRequest(f"params.decoding.format {d.format} is not a known ResponseFormat")
             return check_guide(self.limits, params, "json" if d.format == pb.DecodingParameters.JSON else None)
         return check_guided(self.limits, params, d, kind, where)
-
-    def _speculation(self, context: grpc.aio.ServicerContext, batch_size: int) -> tuple[str, int, str]:
-        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        raw_k = md.get(MD_K, "").strip()
-        try:
-            k = int(raw_k) if raw_k else 0
-        except ValueError:
-            raise InvalidRequest(f"{MD_K} must be an integer, got {raw_k!r}") from None
-        method, k = check_speculation(self.limits, md.get(MD_METHOD, "").strip(), k)
-        session_id = check_session_id(md.get(MD_SESSION, ""))
-        # One session id on several concurrent generations would make them indistinguishable.
-        if session_id and batch_size > 1:
-            raise InvalidRequest(f"{MD_SESSION} names one generation; this batch has {batch_size} requests")
-        return method, k, session_id
 
     def _job(self, text: str, p: pb.Parameters, method: str, k: int, session_id: str) -> _Job:
         if len(text) > self.limits.max_prompt_chars:
@@ -233,7 +216,7 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
             self._check_unsupported(request)
             if not request.requests:
                 raise InvalidRequest("requests must not be empty")
-            method, k, session_id = self._speculation(context, len(request.requests))
+            method, k, session_id = speculation_metadata(self.limits, context.invocation_metadata(), len(request.requests))
             # Validate every prompt before starting any: a bad one fails the batch at no cost.
             jobs = []
             for i, r in enumerate(request.requests):
@@ -255,7 +238,7 @@ class TgisServicer(pb_grpc.GenerationServiceServicer):
         with self.core.observer("tgis") as obs:
             self._check_model(request.model_id)
             self._check_unsupported(request)
-            method, k, session_id = self._speculation(context, 1)
+            method, k, session_id = speculation_metadata(self.limits, context.invocation_metadata())
             job = self._job(request.request.text, request.params, method, k, session_id)
             obs.begin(job.req, OP_TEXT, [("user", job.text)])
             # TGIS sends the input details first, before any generated text; input token details

@@ -21,8 +21,9 @@ from fmaas import generation_pb2_grpc as fmaas_grpc
 from gateway.core import GenerationCore
 from gateway.request import Limits
 from gateway.routing import StaticRouter
-from gateway.service import GenerationServicer
-from gateway.tgis import add_tgis_service
+from gateway.faces import add_faces
+from gateway.observe import export_load
+from gateway.vllm import ModelFacts
 from tandem.engine.batcher import Batcher
 from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.engine.thread import InferenceThread
@@ -38,6 +39,7 @@ from verify_worker.engine import VerifyEngine
 from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import SessionKeeper
 from verify_worker.service import VerifyServicer
+from vllm_engine import vllm_engine_pb2_grpc as vllm_grpc
 
 
 @dataclass
@@ -60,6 +62,9 @@ class InProcessStack:
     @property
     def tgis(self) -> fmaas_grpc.GenerationServiceStub:
         return fmaas_grpc.GenerationServiceStub(self.channel)
+
+    def vllm(self) -> vllm_grpc.VllmEngineStub:
+        return vllm_grpc.VllmEngineStub(self.channel)
 
 
 async def live_sessions(stack: InProcessStack) -> tuple[int, int]:
@@ -119,13 +124,14 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
                                    draft_model.eos_ids, draft_model.vocab_size, d_thread,
                                    batcher=Batcher(draft_model, d_thread), grammars=grammars_for(draft, draft_model))
     d_server, d_addr = await _serve(lambda s: internal_grpc.add_DraftServiceServicer_to_server(draft_servicer, s))
-    from transformers import AutoTokenizer
-    core = GenerationCore(AutoTokenizer.from_pretrained(str(target)), str(target), target_model.max_context,
-                          StaticRouter([v_addr], [d_addr]))
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    core = GenerationCore(tokenizer, str(target), target_model.max_context, StaticRouter([v_addr], [d_addr]))
+    facts = ModelFacts.read(str(target), Path(target), AutoConfig.from_pretrained(str(target)), tokenizer)
+    export_load(core.router.kv_snapshot)
 
     def add_gateway(server: grpc.aio.Server) -> None:
-        tandem_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(core, limits), server)
-        add_tgis_service(server, core, limits)
+        add_faces(server, core, limits, facts)
 
     g_server, g_addr = await _serve(add_gateway, entry=True, guard=guard, max_message_bytes=max_message_bytes)
     return InProcessStack(g_addr, v_addr, d_addr, core, limits, verify, draft_servicer,

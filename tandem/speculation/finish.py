@@ -1,4 +1,4 @@
-"""Why a generation ended: one type from the verify worker's verdict to both public faces."""
+"""Why a generation ended: one type from the verify worker's verdict to every public face."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ class Finish(StrEnum):
     GUIDE = "guide_complete"           # structured output: nothing but end-of-sequence may follow
     STOP_SEQUENCE = "stop_sequence"    # decided by the gateway, which sees text
     TIME_LIMIT = "time_limit"          # decided by the TGIS face (its time_limit_millis)
+    STOP_TOKEN = "stop_token"          # decided by the gateway: one of the request's stop token ids
 
     @property
     def wire(self) -> int:
