@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-passcost | bench-topology | train-head | image | deploy-check
+#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-passcost bench-topology image deploy-check image-check clean
+.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,10 @@ train-head: setup
 LOAD_ARGS ?=
 bench-load: setup
 	$(PY) -m bench.load $(LOAD_ARGS)
+
+# The native face against the SMG router's OpenAI API in front of it, 1 and 4 streams (bench/router.py).
+bench-router: setup
+	$(PY) -m bench.e2e --only router --out bench/results/router.json
 
 # A batched verify pass's time by sessions and positions (bench/passcost.py), the controller's cost curve.
 bench-passcost: setup

@@ -12,7 +12,12 @@ against the same prompts' free-text speed-up, and the guide's masks' share of a 
 
 And the trained head (bench/head.py): SmolLM2-135M-Instruct with its shipped head, none / ngram / head.
 
+And the SMG router in front (bench/router.py): the native face against SMG's OpenAI API, 1 and 4 streams.
+
 Prints tables and writes JSON to bench/results/.
+
+Longer than 300 lines because it is the one entry point that runs every section in order around
+the stacks they share, and prints each section's table from one result.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from bench.guided import guided, mask_costs, print_guided
 from bench.head import head_section, print_head
 from bench.params import parameters, print_parameters
+from bench.router import print_router, router_section
 from bench.report import machine, summarize, timed_generate, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
@@ -144,7 +150,7 @@ def overhead(rounds_tokens: int = 96) -> dict:
             "in_process_round_ms": 1000 * statistics.median(local[2:])}
 
 
-SECTIONS = ("overhead", "models", "params", "guided", "head")
+SECTIONS = ("overhead", "models", "params", "guided", "head", "router")
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2,
         "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1,
         "head_heldout": 8, "head_max_new_tokens": 128}
@@ -239,6 +245,8 @@ def main(argv=None) -> None:
     if "head" in sections:      # its own stack: SmolLM2 and its shipped head, whatever --target says
         result["head"] = head_section(PROMPTS[:a.prompts], a.head_heldout, a.head_max_new_tokens, a.threads,
                                       a.head, a.ngram_k)
+    if "router" in sections:    # its own stack too: SmolLM2 with n-gram drafting, SMG in front
+        result["router"] = router_section(PROMPTS[:a.prompts], a.head_max_new_tokens, a.threads)
     if "models" in sections:
         from transformers import AutoModelForCausalLM
 
@@ -293,6 +301,8 @@ def main(argv=None) -> None:
         print_guided(result["guided"])
     if "head" in sections:
         print_head(result["head"])
+    if "router" in sections:
+        print_router(result["router"])
     write_json(a.out, result)
 
 

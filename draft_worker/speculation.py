@@ -80,7 +80,7 @@ class Speculation:
         await self.call.write(pb.VerifyRequest(open=pb.OpenSession(
             session_id=self.request.session_id, prompt_ids=self.prompt, sampling=self.request.sampling,
             stream=stream)))
-        opened = self.opened = (await self._read()).opened
+        opened = self.opened = (await self.read()).opened
         vocab = self.drafting.vocab_size
         if self.drafter.uses_model and vocab not in (None, opened.vocab_size):
             raise ValueError(f"draft model vocabulary ({vocab}) does not match the target's ({opened.vocab_size})")
@@ -204,7 +204,7 @@ class Speculation:
         """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
         if self.grammar is not None:
             return asyncio.ensure_future(self._guided(tokens, k))
-        return self._draft(tokens, k)
+        return self.propose(tokens, k)
 
     async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:
         """A proposal under the guide: first the tokens it forces (jump-forward; proposed even when
@@ -216,7 +216,7 @@ class Speculation:
         forced = g.forced(self._room()) if self.drafting.jump_forward else []
         forced = forced[:g.advance(forced)]
         try:
-            draft, _ = await self._draft(tokens + forced, min(k, self._room() - len(forced)))
+            draft, _ = await self.propose(tokens + forced, min(k, self._room() - len(forced)))
             if not self.drafter.uses_model:
                 taken = g.advance(draft.tokens)
                 g.rollback(taken)
@@ -228,7 +228,8 @@ class Speculation:
             support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + support
         return Draft(forced + draft.tokens, support, draft.kind, len(forced)), time.perf_counter() - start
 
-    def _draft(self, tokens: list[int], k: int) -> asyncio.Future:
+    def propose(self, tokens: list[int], k: int) -> asyncio.Future:
+        """The drafter's proposal of up to k tokens after `tokens`, and the seconds it took, as a future."""
         state, drafting = self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
@@ -255,10 +256,11 @@ class Speculation:
 
     async def _read_verdict(self, since: float) -> tuple[pb.Verdict, float]:
         """The next verdict, and the seconds from `since` to its arrival."""
-        verdict = (await self._read()).verdict
+        verdict = (await self.read()).verdict
         return verdict, time.perf_counter() - since
 
-    async def _read(self) -> pb.VerifyResponse:
+    async def read(self) -> pb.VerifyResponse:
+        """The verify worker's next message (VerifyClosed when its stream has ended)."""
         msg = await self.call.read()
         if msg is grpc.aio.EOF:
             raise VerifyClosed("verify worker closed the session stream")

@@ -17,14 +17,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from draft_worker.drafters import Drafter
 from tandem.service import metrics, telemetry
+from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.stream import after_verdict
 from tandem.v1 import internal_pb2 as pb
 
-if TYPE_CHECKING:
-    from draft_worker.speculation import Speculation
+
+class Speculation(Protocol):
+    """What a request's speculation (draft_worker.speculation) lends its streaming."""
+    tokens: list[int]             # committed: the prompt and every token the verify worker decided
+    prompt: list[int]
+    params: SamplingParams
+    opened: pb.Opened
+    drafter: Drafter
+    call: object                  # the verify stream
+
+    async def read(self) -> pb.VerifyResponse: ...
+    def propose(self, tokens: list[int], k: int) -> asyncio.Future: ...
+    def chunk(self, verdict: pb.Verdict, drafted: int, accepted: int) -> pb.TokenChunk: ...
 
 
 AHEAD = 2      # proposals' worth of tokens the run may hold
@@ -47,7 +60,7 @@ class Streaming:
         self._task = asyncio.create_task(self._drafting())
         while True:
             try:
-                verdict = (await spec._read()).verdict
+                verdict = (await spec.read()).verdict
             except BaseException:
                 if self.failed is not None:
                     raise self.failed from None
@@ -94,7 +107,7 @@ class Streaming:
                     await self._next_verdict(seen)
                     continue
                 fork, context = self.fork, spec.tokens + self.run
-                draft, _ = await spec._draft(context, 1 if spec.drafter.uses_model else room)
+                draft, _ = await spec.propose(context, 1 if spec.drafter.uses_model else room)
                 if fork != self.fork:
                     continue                     # a verdict went another way while this was drafted
                 if draft.tokens:

@@ -1,4 +1,4 @@
-"""The gateway's core, shared by the tandem.v1 and TGIS faces: tokenize, route, stream text."""
+"""The gateway's core, shared by its faces (gateway/faces.py): tokenize, route, stream text."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import AsyncIterator
 import grpc
 
 from gateway.conversation import Conversations, SessionBusy, SessionUnavailable
-from gateway.events import Delta, Final, GatewayError, TokenReport
+from gateway.events import Delta, Final, GatewayError
 from gateway.observe import RequestObserver
 from gateway.request import GenRequest, InvalidRequest
 from gateway.routing import Router
-from gateway.run import RequestRun
+from gateway.run import RequestRun, Serving
+from gateway.text import TokenTexts
 from tandem.service import logs
 
 log = logging.getLogger(__name__)
@@ -31,22 +32,8 @@ class GenerationCore:
         self.max_context = max_context
         self.router = router
         self.conversations = conversations or Conversations(None)
-        self.max_migrations = max_migrations
         self.trace_content = trace_content      # prompt and completion text on request spans
-        self._texts: dict[int, str] = {}         # token id -> its text alone, bounded by the vocabulary
-
-    def token_text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def token_reports(self, ids, reports) -> list[TokenReport]:
-        """ids with their logprob reports (None: ids and text only)."""
-        if reports is None:
-            return [TokenReport(int(t), self.token_text(int(t))) for t in ids]
-        return [TokenReport(r.token_id, self.token_text(r.token_id), r.logprob, r.rank,
-                            tuple((t, self.token_text(t), lp) for t, lp in r.top)) for r in reports]
+        self.serving = Serving(TokenTexts(tokenizer), router, self.conversations, max_context, max_migrations)
 
     def observer(self, api: str):
         """A RequestObserver for one generation through the public API `api`."""
@@ -114,7 +101,7 @@ class GenerationCore:
             if len(turn.prompt_ids) >= self.max_context:
                 raise InvalidRequest(f"session {session_id} would be {len(turn.prompt_ids)} tokens with this turn; "
                                      f"the model's context is {self.max_context} tokens")
-            run = RequestRun(self, req, turn, timeout)
+            run = RequestRun(self.serving, req, turn, timeout)
             async for event in run.events():
                 yield event
             await self.conversations.finish(turn, run.history(), run.route.verify, run.route.draft,

@@ -6,37 +6,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import grpc
 
-from gateway.conversation import Turn
+from gateway.conversation import Conversations, Turn
 from gateway.events import Delta, Final, GatewayError, TokenReport, Usage
 from gateway.request import GenRequest
-from gateway.routing import Route, RoutingError
-from gateway.text import IncrementalDetokenizer, StopMatcher
+from gateway.routing import Route, Router, RoutingError
+from gateway.text import IncrementalDetokenizer, StopMatcher, TokenTexts
 from tandem.engine.kvpool import kv_need
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.speculation.finish import Finish
 from tandem.v1 import internal_pb2 as ipb
 from tandem.v1 import internal_pb2_grpc as ipb_grpc
 
-if TYPE_CHECKING:
-    from gateway.core import GenerationCore
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What every request's run shares: the tokens' texts, the workers, the sessions, the limits."""
+    texts: TokenTexts
+    router: Router
+    conversations: Conversations
+    max_context: int
+    max_migrations: int
 
 
 class RequestRun:
     """One request's stream across the workers that serve it, migrations included."""
 
-    def __init__(self, core: GenerationCore, req: GenRequest, turn: Turn, timeout: float | None) -> None:
-        self.core, self.req, self.turn = core, req, turn
+    def __init__(self, serving: Serving, req: GenRequest, turn: Turn, timeout: float | None) -> None:
+        self.serving, self.req, self.turn = serving, req, turn
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.usage = Usage(prompt_tokens=len(turn.prompt_ids), draft_method=req.method)
-        self.detok = IncrementalDetokenizer(core.tokenizer, turn.prompt_ids)
+        self.detok = IncrementalDetokenizer(serving.texts.tokenizer, turn.prompt_ids)
         self.stops = StopMatcher(req.stop_sequences)
         self.delivered: list[int] = []          # tokens handed to the client so far, in order
         self.prompt_reported = not req.prompt_details
@@ -54,13 +61,13 @@ class RequestRun:
 
     async def events(self) -> AsyncIterator[Delta]:
         failed: set[str] = set()
-        router = self.core.router
+        router = self.serving.router
         affinity = self.turn.affinity
         while True:
             # the KV the verify worker reserves for the rest of this request (prompt_ids hold the
             # delivered tokens' place: they are prompt to the next worker after a move)
             need = partial(kv_need, len(self.turn.prompt_ids), self.req.params.max_new_tokens,
-                           max_context=self.core.max_context)
+                           max_context=self.serving.max_context)
             try:
                 self.route = await router.route(self.req.method, affinity, failed, need)
             except RoutingError as e:
@@ -83,7 +90,7 @@ class RequestRun:
                 failed.add(lost.address)
                 if lost.address == self.route.draft:
                     affinity = self.route.verify       # it keeps the session's KV: continue there
-                if self.usage.migrations >= self.core.max_migrations:
+                if self.usage.migrations >= self.serving.max_migrations:
                     log.warning("session %s: %s; giving up", self.turn.session_id, lost.message)
                     raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                        f"the {lost.role} serving this request failed; gave up after "
@@ -107,7 +114,7 @@ class RequestRun:
         prompt = [*self.turn.prompt_ids, *self.delivered]
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         sampling = wire.params_to_proto(params)
-        channel = self.core.router.channel
+        channel = self.serving.router.channel
         if route.draft is None:
             address = route.verify
             call = ipb_grpc.VerifyServiceStub(channel(route.verify)).Decode(
@@ -128,7 +135,7 @@ class RequestRun:
                 delta = self._take(chunk, address)
                 if delta is not None:
                     yield delta
-                await self.core.conversations.keepalive(self.turn)
+                await self.serving.conversations.keepalive(self.turn)
                 if self.finish:
                     if chunk.stop_reason and telemetry.enabled():
                         await _drain(call)
@@ -152,17 +159,17 @@ class RequestRun:
         if route.draft is None or lost.address != route.verify:
             return False
         try:
-            await ipb_grpc.VerifyServiceStub(self.core.router.channel(route.verify)).Status(
+            await ipb_grpc.VerifyServiceStub(self.serving.router.channel(route.verify)).Status(
                 ipb.StatusRequest(), timeout=LINK_PROBE_S)
         except grpc.aio.AioRpcError:
             return False
-        self.core.router.link_failed(route.draft, route.verify)
+        self.serving.router.link_failed(route.draft, route.verify)
         metrics.LINK_FALLBACKS.labels("fallback").inc()
         telemetry.event("link fault", {"tandem.draft_worker": route.draft, "tandem.verify_worker": route.verify,
                                        "tandem.delivered_tokens": len(self.delivered)})
         log.warning("session %s: the link from draft worker %s to verify worker %s failed (%s); decoding on "
                     "without speculation for %.0fs", self.turn.session_id, route.draft, route.verify, lost.message,
-                    self.core.router.link_seconds)
+                    self.serving.router.link_seconds)
         return True
 
     def _take(self, chunk: ipb.TokenChunk, address: str) -> Delta | None:
@@ -213,16 +220,16 @@ class RequestRun:
                  ) -> tuple[list[TokenReport], list[TokenReport] | None]:
         """The details of the chunk's tokens `ids` (cut at a stop token) and, the first time, the
         prompt's, as the request asked."""
-        core, params = self.core, self.req.params
+        texts, params = self.serving.texts, self.req.params
         try:
             reports = wire.logprobs_from_proto(chunk.token_ids, chunk.logprobs)[:len(ids)] if params.reports else None
-            details = core.token_reports(ids, reports) if self.req.token_details else []
+            details = texts.reports(ids, reports) if self.req.token_details else []
             prompt = None
             if not self.prompt_reported:
-                ids = self.turn.prompt_ids        # never empty; its first token has nothing before it
-                rest = (wire.logprobs_from_proto(ids[1:], chunk.prompt_logprobs) if params.prompt_logprobs
+                asked = self.turn.prompt_ids      # never empty; its first token has nothing before it
+                rest = (wire.logprobs_from_proto(asked[1:], chunk.prompt_logprobs) if params.prompt_logprobs
                         else None)
-                prompt = [TokenReport(ids[0], core.token_text(ids[0])), *core.token_reports(ids[1:], rest)]
+                prompt = [TokenReport(asked[0], texts.text(asked[0])), *texts.reports(asked[1:], rest)]
                 self.prompt_reported = True
         except ValueError as e:
             log.error("worker %s sent malformed logprobs: %s", address, e)

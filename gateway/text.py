@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gateway.events import TokenReport
+
 
 class IncrementalDetokenizer:
     """Emits only text that is final: a delta never ends inside a multi-byte character.
@@ -75,3 +77,24 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class TokenTexts:
+    """Each token's text alone, decoded once (bounded by the vocabulary), and token reports with it."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def reports(self, ids, reports) -> list[TokenReport]:
+        """ids with their logprob reports (None: ids and text only)."""
+        if reports is None:
+            return [TokenReport(int(t), self.text(int(t))) for t in ids]
+        return [TokenReport(r.token_id, self.text(r.token_id), r.logprob, r.rank,
+                            tuple((t, self.text(t), lp) for t, lp in r.top)) for r in reports]

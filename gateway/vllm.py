@@ -141,6 +141,18 @@ class _Answer:
         return pb.GenerateResponse(chunk=m)
 
 
+def _unimplemented(rpc: str, why: str, streaming: bool = False):
+    """A servicer method answering UNIMPLEMENTED with `rpc: why`."""
+    async def unary(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {why}")
+
+    async def stream(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {why}")
+        yield  # pragma: no cover - abort raises; the yield makes it a server stream
+
+    return stream if streaming else unary
+
+
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     def __init__(self, core: GenerationCore, limits: Limits, facts: ModelFacts) -> None:
         self.core, self.limits, self.facts = core, limits, facts
@@ -350,27 +362,14 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             last = start + TOKENIZER_CHUNK >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK], sha256=digest if last else "")
 
-    # ---- what Tandem has no part of ----
+    # ---- what Tandem has no part of: UNIMPLEMENTED, saying why ----
 
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: Tandem serves generation, not embeddings")
-
-    async def FlushCache(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache: the verify workers own their KV; "
-                            "restart a worker to drop it")
-
-    async def StartProfile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile: Tandem has no engine profiler; "
-                            "use its OpenTelemetry traces")
-
-    async def StopProfile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: Tandem has no engine profiler; "
-                            "use its OpenTelemetry traces")
-
-    async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents: Tandem publishes no KV cache "
-                            "events; GetLoads reports its load")
-        yield  # pragma: no cover - a server-streaming method
+    Embed = _unimplemented("Embed", "Tandem serves generation, not embeddings")
+    FlushCache = _unimplemented("FlushCache", "the verify workers own their KV; restart a worker to drop it")
+    StartProfile = _unimplemented("StartProfile", "Tandem has no engine profiler; use its OpenTelemetry traces")
+    StopProfile = _unimplemented("StopProfile", "Tandem has no engine profiler; use its OpenTelemetry traces")
+    SubscribeKvEvents = _unimplemented("SubscribeKvEvents", "Tandem publishes no KV cache events; GetLoads "
+                                       "reports its load", streaming=True)
 
 
 async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator:

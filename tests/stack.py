@@ -63,6 +63,7 @@ class InProcessStack:
     def tgis(self) -> fmaas_grpc.GenerationServiceStub:
         return fmaas_grpc.GenerationServiceStub(self.channel)
 
+    @property
     def vllm(self) -> vllm_grpc.VllmEngineStub:
         return vllm_grpc.VllmEngineStub(self.channel)
 

@@ -1,4 +1,4 @@
-"""Thousands of hostile requests, every field of both public faces drawn by hypothesis, plus bytes
+"""Thousands of hostile requests, every field of the public faces drawn by hypothesis, plus bytes
 that are no message at all, while a well-formed stream runs next to them. Each hostile request
 must get a proper status (never UNKNOWN or INTERNAL), and every well-formed stream must be the
 target's greedy output. TANDEM_FUZZ_EXAMPLES scales the number of examples.
@@ -38,6 +38,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tests.local import reference
 from tests.stack import live_sessions, start_stack, stop_stack, wait_until_idle
+from vllm_engine import vllm_engine_pb2 as vllm_pb
 
 # The in-process gateway draws from `random` (routing tie-breaks) while hypothesis runs its examples.
 pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies")
@@ -51,6 +52,8 @@ METHODS = {  # path -> (request class, server streaming)
     "/fmaas.GenerationService/GenerateStream": (tgis_pb.SingleGenerationRequest, True),
     "/fmaas.GenerationService/Tokenize": (tgis_pb.BatchedTokenizeRequest, False),
     "/fmaas.GenerationService/ModelInfo": (tgis_pb.ModelInfoRequest, False),
+    "/vllm.grpc.engine.VllmEngine/Generate": (vllm_pb.GenerateRequest, True),
+    "/vllm.grpc.engine.VllmEngine/GetLoads": (vllm_pb.GetLoadsRequest, False),
 }
 GOOD_PROMPT, GOOD_TOKENS = "def add(a, b):", 16
 
