@@ -19,12 +19,8 @@ from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_l
 from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.grammar import Matcher
-from tandem.speculation.sampling import SamplingParams, make_generator, probabilities, process
-
-# A sampled draft distribution is cut to its most likely tokens before sampling from it, so
-# the wire carries at most this many (id, prob) pairs per position. Lossless all the same: the
-# target corrects against exactly the q the drafter sampled from.
-MAX_DRAFT_SUPPORT = 1024
+from tandem.speculation.drafting import RowDrafter
+from tandem.speculation.sampling import SamplingParams, make_generator
 
 
 @dataclass(frozen=True)
@@ -178,43 +174,27 @@ class _ModelDraftState:
 
 
 class _Proposal:
-    """One proposal being drafted: `take` turns each step's logits into a token and says what to
-    feed next (nothing when the proposal is complete)."""
+    """One proposal being drafted: `take` turns each step's logits into a token (through the
+    request's pipeline and guide, tandem.speculation.drafting) and says what to feed next (nothing
+    when the proposal is complete)."""
 
     def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int]) -> None:
-        self.state, self.context, self.k, self.feed = state, context, k, feed
-        self.tokens: list[int] = []
-        self.support: list | None = [] if not state.params.greedy else None
-        self.advanced = 0                    # tokens the guide's matcher took along this proposal
+        self.state, self.k, self.feed = state, k, feed
+        self.rows = RowDrafter(context, state.prompt_len, state.params, state.eos_ids, state.grammar,
+                               state.generator, want_prob=bool(state.confidence))
 
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
         st.cached.extend(self.feed)
-        # the same stages as the target's row for this position: context + tokens so far, and the
-        # guide's state after them (advanced along this proposal, rolled back in draft())
-        allowed = st.grammar.allowed() if st.grammar is not None else None
-        logits = process(logits, [*self.context, *self.tokens], st.prompt_len, st.params, st.eos_ids,
-                         allowed=allowed)  # [1, V]
-        if st.params.greedy:
-            token = int(logits[0].argmax())
-            q_token = float(torch.softmax(logits[0], dim=-1)[token]) if st.confidence else 1.0
-        else:
-            ids, probs = _truncate(probabilities(logits, st.params)[0])
-            pick = int(torch.multinomial(probs, 1, generator=st.generator))
-            token, q_token = int(ids[pick]), float(probs[pick])
-            self.support.append((ids, probs))
-        self.tokens.append(token)
-        if st.grammar is not None:
-            self.advanced += st.grammar.advance([token])
-        done = len(self.tokens) >= self.k or token in st.eos_ids or q_token < st.confidence
-        self.feed = [] if done else [token]
+        drawn = self.rows.take(logits)
+        done = (drawn is None or len(self.rows.tokens) >= self.k or drawn.token in st.eos_ids
+                or drawn.prob < st.confidence)
+        self.feed = [] if done else [drawn.token]
         return self.feed
 
     def draft(self) -> Draft:
-        if self.state.grammar is not None:
-            self.state.grammar.rollback(self.advanced)
-            self.advanced = 0
-        return Draft(self.tokens, self.support)
+        self.rows.finish()
+        return Draft(self.rows.tokens, self.rows.support)
 
 
 class NgramDrafter:
@@ -253,10 +233,3 @@ class NgramDrafter:
 
     def close(self) -> None:
         pass
-
-
-def _truncate(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [V] -> (ids [m], renormalized probs [m]) of the nonzero entries, at most MAX_DRAFT_SUPPORT."""
-    nonzero = int((probs > 0).sum())
-    top = torch.topk(probs, min(nonzero, MAX_DRAFT_SUPPORT))
-    return top.indices, top.values / top.values.sum()

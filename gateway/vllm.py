@@ -333,7 +333,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
-            active_requests=len(self.aborts), is_paused=False, last_receive_timestamp=self.last_request,
+            active_requests=LOAD.running, is_paused=False, last_receive_timestamp=self.last_request,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             model_dtype="", constrained_decoding_start="first_token")
 

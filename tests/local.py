@@ -66,10 +66,12 @@ def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: Sampli
     return s.tokens[len(prompt):], drafted, accepted
 
 
-def open_head_session(engine: VerifyEngine, spec, prompt: list[int], params: SamplingParams, session_id: str = "local"):
+def open_head_session(engine: VerifyEngine, spec, prompt: list[int], params: SamplingParams, session_id: str = "local",
+                      grammar=None):
     """A session opened and prefilled as the verify worker does for draft method "head": no KV
-    reused, every prompt position's states handed to the head. Its first block is not drafted yet."""
-    s = engine.open(session_id, prompt, params, reuse_prefix=False)
+    reused, every prompt position's states handed to the head; `grammar`, the guide's matcher after
+    the prompt. Its first block is not drafted yet."""
+    s = engine.open(session_id, prompt, params, reuse_prefix=False, grammar=grammar)
     s.head = spec.open(s)
     for piece in engine.prefill_chunks(s, 512):
         spec.prefill_then(s, s.head, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))

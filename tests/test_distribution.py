@@ -511,7 +511,8 @@ def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
 # tests.local.speculate_head drives it, with the head's tensors and context in the loop. The target
 # is the tiny model, memoized by prefix as in Part 3 (`_TapMemo` also returns the tapped hidden
 # states the head reads); the head drafts for real (HeadDrafter.draft: a block pass, then left to
-# right with the Markov bias, q the softmax over its candidates at the request's temperature).
+# right with the Markov bias, each position drawn through the request's own pipeline and guide,
+# tandem.speculation.drafting: q is the processed, warped distribution it drew from).
 # choose_k is fixed to k = 3 (a random head's confidences would choose k at random, 0 included).
 #
 # An untrained head's proposals are almost never inside the target's top-k, so the rows after the
@@ -519,8 +520,8 @@ def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
 # (its own logits stay, smaller) and whose Markov table holds, after each token of the tree of
 # the target's top-k continuations, twice the target's raw logits after that token's history (the
 # first history where a token occurs several times): an overconfident head, its q sharper than the
-# target's distribution and not cut to the top k, so every row is reached, rejected sometimes, and
-# the bonus row is reached too (asserted). One config samples at temperature 1.5, where a q that
+# target's distribution (and its own top k not always the target's), so every row is reached,
+# rejected sometimes, and the bonus row is reached too (asserted). One config samples at temperature 1.5, where a q that
 # left out the temperature would be wrong (checked by hand: detection 2.3).
 #
 # The reference owes nothing to Tandem: the target's folder loaded with transformers, its last
@@ -529,11 +530,14 @@ def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
 # T = 3 tokens (an end token padded with PAD). The statistic is Part 2's `detection`.
 #
 # Wrong variants, through the same statistic:
-#   "reported_q":  the head samples from its q but reports the uniform distribution over its
-#                  candidates;
+#   "reported_q":  the head samples from its q but reports the uniform distribution over q's
+#                  support;
 #   "shifted_q":   the q reported for each position is the next position's;
-#   "row_history": the verify worker processes every row with the committed history only, so a
-#                  token proposed earlier in the block escapes the repetition penalty.
+#   "no_penalty":  the verify worker ignores the repetition penalty.
+# (A verify worker processing every row with the committed history only, so that a token proposed
+# earlier in the block escapes the penalty, is caught by Part 2. Here it changes no outcome: the
+# head draws through the same pipeline, penalty included, and on this tiny target a token just
+# drawn never returns to the next row's top 4, so the two rules agree on every row that counts.)
 # (A verify worker that ignores q and judges the proposal as deterministic is not wrong: accepting x
 # with chance p(x) and otherwise drawing from p without x emits exactly p, for any q; it only
 # accepts less.) The wrong variants run HEAD_WRONG_N sessions each, to keep the test short: each
@@ -546,7 +550,7 @@ HEAD_TABLE_SCALE = 2.0
 HEAD_CONFIGS = {   # name: (params, wrong variants that must be detected)
     "top_k": (SamplingParams(temperature=1.5, top_k=4, max_new_tokens=32), ["reported_q", "shifted_q"]),
     "repetition": (SamplingParams(temperature=1.0, top_k=4, top_p=0.9, repetition_penalty=2.0, max_new_tokens=32),
-                   ["row_history"]),
+                   ["no_penalty"]),
 }
 
 
@@ -620,8 +624,9 @@ def head_setup(tiny_pair, tiny_models):
     return target, _TapMemo(model), load_tokenizer(str(target))(HEAD_PROMPT).input_ids, model
 
 
-def table_spec(head_setup, exact: dict[tuple, float], path):
-    """HeadSpeculation with the head described above, for the tree of `exact`'s outcomes."""
+def table_spec(head_setup, exact: dict[tuple, float], path, shape=None):
+    """HeadSpeculation with the head described above, for the tree of `exact`'s outcomes;
+    shape(history, logits) -> logits changes each table row before it is scaled."""
     from tandem.head.checkpoint import load_drafter
     from tandem.testing import build_random_head
     from verify_worker.engine import VerifyEngine
@@ -629,7 +634,6 @@ def table_spec(head_setup, exact: dict[tuple, float], path):
     folder, memo, prompt, model = head_setup
     build_random_head(path, folder, seed=2, block_size=HEAD_K, markov_rank=32)
     drafter = load_drafter(str(path), model, str(folder))
-    drafter.candidates = model.vocab_size
     head = drafter.head
     after: dict[int, list[int]] = {}          # previous token -> the history its row is the target's after
     for outcome in exact:
@@ -646,6 +650,8 @@ def table_spec(head_setup, exact: dict[tuple, float], path):
         cache = model.new_cache(len(history) + 1)
         table[t] = model.forward(history, cache, last=1)[0]
         cache.release()
+        if shape is not None:
+            table[t] = shape(history, table[t])
     assert len(table) <= head.config.markov_rank
     with torch.no_grad():
         head.norm.weight.mul_(0.25)
@@ -657,12 +663,12 @@ def table_spec(head_setup, exact: dict[tuple, float], path):
     return HeadSpeculation(drafter, VerifyEngine(memo))
 
 
-def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Counter) -> tuple:
-    """One session's first T tokens (PAD after its end) through the head rounds; counts each
-    round's accepted tokens into `seen`."""
+def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Counter, grammar=None) -> tuple:
+    """One session's first T tokens (PAD after its end) through the head rounds, under `grammar`
+    (a guide's fresh matcher) if given; counts each round's accepted tokens into `seen`."""
     from tests.local import open_head_session
     engine = spec.engine
-    s = open_head_session(engine, spec, prompt, params, "head")
+    s = open_head_session(engine, spec, prompt, params, "head", grammar)
     spec.draft(s, s.head)
     while len(s.tokens) - len(prompt) < T and not s.stop_reason:
         step, proposed = spec.step(s, s.head)
@@ -673,18 +679,18 @@ def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Cou
 
 
 def head_counts(spec, prompt: list[int], params: SamplingParams, n: int, bug: str | None,
-                monkeypatch) -> tuple[Counter, Counter]:
-    """(first T tokens of n sessions, seeds 0..n-1; what the rounds did)."""
+                monkeypatch, matcher=None) -> tuple[Counter, Counter]:
+    """(first T tokens of n sessions, seeds 0..n-1; what the rounds did). matcher: a fresh guide
+    matcher per session, when guided."""
     from dataclasses import replace
 
     import verify_worker.engine as engine_module
     import verify_worker.headspec as headspec
     real_process, real_draft = engine_module.process, spec.drafter.draft
 
-    def row_history(logits, history, prompt_len, params, eos_ids, proposed=(), allowed=None):
-        return torch.cat([real_process(logits[i:i + 1], history, prompt_len, params, eos_ids, (),
-                                       None if allowed is None else allowed[i:i + 1])
-                          for i in range(logits.shape[0])])
+    def no_penalty(logits, history, prompt_len, params, eos_ids, proposed=(), allowed=None):
+        return real_process(logits, history, prompt_len, replace(params, repetition_penalty=1.0), eos_ids,
+                            proposed, allowed)
 
     def reported_q(*args, **kwargs):
         draft = real_draft(*args, **kwargs)
@@ -696,16 +702,45 @@ def head_counts(spec, prompt: list[int], params: SamplingParams, n: int, bug: st
         draft.support = draft.support[1:] + draft.support[-1:]
         return draft
 
+    def unmasked_q(ctx, anchor, k, rows):
+        # the head drawing as if there were no guide (q unmasked), its rows still following it
+        grammar, rows.grammar = rows.grammar, None
+        try:
+            draft = real_draft(ctx, anchor, k, rows)
+        finally:
+            rows.grammar = grammar
+        return draft
+
+    real_step = headspec.HeadSpeculation.step
+
+    def cut_at_refusal(self, s, h, k=None):
+        # the old rule: the unmasked block cut before the first token the guide refuses
+        step, proposed = real_step(self, s, h, k)
+        taken = s.grammar.advance(proposed)
+        s.grammar.rollback(taken)
+        if taken < len(proposed):
+            h.proposal.tokens = h.proposal.tokens[:taken]
+            h.proposal.support = h.proposal.support[:taken]
+            h.rest, h.backoff = 0, 0
+            step, proposed = real_step(self, s, h, taken)
+        return step, proposed
+
     seen: Counter = Counter()
     with monkeypatch.context() as patch:
         patch.setattr(headspec, "choose_k", lambda confidence, curve, head_ms=0.0: HEAD_K)
-        if bug == "row_history":
-            patch.setattr(engine_module, "process", row_history)
+        if bug == "no_penalty":
+            patch.setattr(engine_module, "process", no_penalty)
         if bug == "reported_q":
             patch.setattr(spec.drafter, "draft", reported_q)
         if bug == "shifted_q":
             patch.setattr(spec.drafter, "draft", shifted_q)
-        counts = Counter(head_first_tokens(spec, prompt, replace(params, seed=seed), seen) for seed in range(n))
+        if bug == "unmasked_q":
+            patch.setattr(spec.drafter, "draft", unmasked_q)
+        if bug == "cut_at_refusal":
+            patch.setattr(spec.drafter, "draft", unmasked_q)
+            patch.setattr(headspec.HeadSpeculation, "step", cut_at_refusal)
+        counts = Counter(head_first_tokens(spec, prompt, replace(params, seed=seed), seen,
+                                           matcher() if matcher else None) for seed in range(n))
     return counts, seen
 
 
@@ -733,3 +768,50 @@ def test_head_speculative_matches_target(head_setup, name, monkeypatch, tmp_path
     assert stats[None] < 1, stats
     for bug in bugs:
         assert stats[bug] > 1, (bug, stats)
+
+
+# Under a guide (issue 30): the head draws each position through the guide's mask, so its q is the
+# distribution it drew from and no sampled proposal is cut by what it drew. The target is the tiny
+# model under Part 3's "choice" guide at temperature 10 (its logits are x25), the reference
+# transformers with xgrammar's own matcher (Part 3's `guided_exact`), the head the overconfident
+# table head above, built on the guided outcomes, each table row the target's logits where the
+# guide allows a token, negated and sharpened (the head prefers what the target does not, so the
+# residual differs from p: where q is close to p, drawing from p instead of the residual changes
+# little), and beside them one token the guide refuses, as likely as the best allowed one. Wrong variants:
+# "unmasked_q", the head drawing without the mask (the target rejects every refused token it
+# proposes: exact all the same, only slower, so it must NOT be detected), and "cut_at_refusal",
+# the old rule (an unmasked draw cut before the first refused token, which hands that position to
+# p instead of the residual): detected.
+HEAD_GUIDED_REGEX = "[ab][a-d]{1,15}"
+
+
+def test_head_under_a_guide_matches_the_masked_target(head_setup, guided, monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from tandem.speculation.grammar import Guide
+    folder, _, prompt, _ = head_setup
+    _, tok, _, _, grammars, _ = guided
+    params = replace(GUIDED_PARAMS, max_new_tokens=32)
+    exact = guided_exact(folder, tok, prompt, HEAD_GUIDED_REGEX, params.temperature)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    guide = Guide("regex", HEAD_GUIDED_REGEX)
+
+    def allowed_and_one_refused(history: list[int], logits: torch.Tensor) -> torch.Tensor:
+        m = grammars.matcher(guide)
+        m.advance(history[len(prompt):])
+        allowed = m.allowed()[0]
+        refused = int(logits.masked_fill(allowed, float("-inf")).argmax())
+        out = (-3.0 * logits).masked_fill(~allowed, -1e3)       # the target's order reversed, sharper
+        out[refused] = out[allowed].max()
+        return out
+
+    spec = table_spec(head_setup, exact, tmp_path / "head.safetensors", allowed_and_one_refused)
+    stats, seen = {}, {}
+    for bug in (None, "unmasked_q", "cut_at_refusal"):
+        counts, seen[bug] = head_counts(spec, prompt, params, HEAD_WRONG_N if bug else HEAD_N, bug, monkeypatch,
+                                        lambda: grammars.matcher(guide))
+        stats[bug] = detection(counts, exact)
+    print("guided head", {b: round(s, 2) for b, s in stats.items()}, dict(seen[None]))
+    assert all(seen[None][f"accepted {a} of {HEAD_K}"] > HEAD_N // 100 for a in range(HEAD_K + 1)), seen[None]
+    assert stats[None] < 1 and stats["unmasked_q"] < 1, stats
+    assert stats["cut_at_refusal"] > 1, stats

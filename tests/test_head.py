@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 
 from tandem.head import checkpoint
 from tandem.head.checkpoint import HeadFileError
-from tandem.head.drafter import HeadContext, HeadDrafter, choose_k
+from tandem.head.drafter import HeadContext, HeadDrafter, choose_k, worth_its_price
 from tandem.head.model import BlockHead, HeadConfig
+from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import SamplingParams
 from tandem.testing import build_random_head
 from tests.local import reference, speculate_head
@@ -65,11 +66,21 @@ def serving(target, path) -> HeadSpeculation:
     return HeadSpeculation(checkpoint.load_drafter(str(path), model, str(folder)), VerifyEngine(model))
 
 
-def bare_drafter(target, head: BlockHead, candidates: int | None = None) -> HeadDrafter:
+def bare_drafter(target, head: BlockHead) -> HeadDrafter:
     """A drafter over an unpacked head, bound to the target's embedding table and output layer."""
     model = target[1].model
-    return HeadDrafter(head, model.get_input_embeddings(), model.get_output_embeddings(),
-                       candidates=candidates or head.config.vocab_size)
+    return HeadDrafter(head, model.get_input_embeddings(), model.get_output_embeddings())
+
+
+def draw_block(drafter: HeadDrafter, ctx, anchor: int, k: int, temperature: float = 0.0,
+               generator: torch.Generator | None = None):
+    """The head's draft after `anchor` with no processing stage but the temperature (and no end of
+    sequence): the raw block, position by position."""
+    rows = RowDrafter([anchor], 1, SamplingParams(temperature=temperature), [], None, generator)
+    try:
+        return drafter.draft(ctx, anchor, k, rows)
+    finally:
+        rows.finish()
 
 
 def teacher_forced(model, ids: list[int], taps) -> torch.Tensor:
@@ -127,7 +138,6 @@ def table_head(target, path, sequences: list[list[int]]) -> HeadSpeculation:
     it first in `sequences` (bias 100 on that token, far above the untrained base logits), and
     whose confidence is ~0.98 everywhere, so every round proposes a whole block."""
     spec = serving(target, path)
-    spec.drafter.candidates = spec.drafter.config.vocab_size     # the bias reaches every token
     head = spec.drafter.head
     follows: dict[int, int] = {}
     for seq in sequences:
@@ -234,10 +244,10 @@ def test_training_forward_agrees_with_the_drafter(target, head_file, prompts):
     assert labels[:, 0].tolist() == [ids[a + 1] for a in anchors]
     for i, a in enumerate(anchors):
         ctx = ctx_of(seq.features[:a])
-        greedy = drafter.draft(ctx, ids[a], BLOCK)
+        greedy = draw_block(drafter, ctx, ids[a], BLOCK)
         assert greedy.tokens[0] == int(logits[i, 0].argmax()), a
         assert greedy.confidence[0] == pytest.approx(float(torch.sigmoid(conf[i, 0])), abs=1e-5)
-        sampled = drafter.draft(ctx, ids[a], 1, temperature=1.0, generator=g)
+        sampled = draw_block(drafter, ctx, ids[a], 1, 1.0, g)
         cands, probs = sampled.support[0]
         assert len(cands) == head.config.vocab_size
         dense = torch.zeros(head.config.vocab_size).index_put_((cands,), probs)
@@ -246,7 +256,7 @@ def test_training_forward_agrees_with_the_drafter(target, head_file, prompts):
     # every position, one anchor at a time, with the drafted tokens as the sequence's tokens (so the
     # trainer's previous tokens are the drafter's) and noise for every feature from the anchor on
     for a in anchors:
-        greedy = drafter.draft(ctx_of(seq.features[:a]), ids[a], BLOCK)
+        greedy = draw_block(drafter, ctx_of(seq.features[:a]), ids[a], BLOCK)
         row = {"ids": ids[:a + 1] + greedy.tokens, "prompt_len": 0}
         noise = torch.randn(BLOCK + 1, seq.features.shape[1], generator=g).half() * 10
         seq2 = Sequence(row, torch.cat([seq.features[:a], noise]), torch.randn(a + 1 + BLOCK, 64).half())
@@ -283,14 +293,14 @@ def random_head(config: HeadConfig, seed: int = 0) -> BlockHead:
 def drafts(target, head: BlockHead, seed: int = 0) -> list:
     """What a head drafts from random context features: greedy and sampled, several anchors."""
     g = torch.Generator().manual_seed(seed)
-    drafter = bare_drafter(target, head, candidates=32)
+    drafter = bare_drafter(target, head)
     c = head.config
     out = []
     for n, anchor in ((0, 7), (3, 11), (9, 200)):
         ctx = drafter.new_context()
         drafter.extend(ctx, torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g))
-        greedy = drafter.draft(ctx, anchor, BLOCK)
-        sampled = drafter.draft(ctx, anchor, BLOCK, temperature=0.7, generator=torch.Generator().manual_seed(n))
+        greedy = draw_block(drafter, ctx, anchor, BLOCK)
+        sampled = draw_block(drafter, ctx, anchor, BLOCK, 0.7, torch.Generator().manual_seed(n))
         out.append((greedy.tokens, greedy.confidence, sampled.tokens, sampled.confidence,
                     [(i.tolist(), p.tolist()) for i, p in sampled.support]))
     return out
@@ -569,15 +579,15 @@ def test_the_markov_head_changes_what_is_drafted(target):
     drafter = bare_drafter(target, without)
     ctx = drafter.new_context()
     drafter.extend(ctx, torch.randn(5, 128, generator=torch.Generator().manual_seed(1)))
-    d = drafter.draft(ctx, 42, BLOCK)
+    d = draw_block(drafter, ctx, 42, BLOCK)
     with torch.no_grad():
         ids = torch.tensor([42] + [without.config.mask_token_id] * (BLOCK - 1))
         hidden = without.backbone(drafter.embed(ids).float(), torch.arange(5, 5 + BLOCK), ctx.view(), None)
         assert d.tokens == drafter.lm_head(hidden).argmax(-1).tolist()
     # the sampled q is the Markov-corrected softmax: zeroing w2 changes it
     g = lambda: torch.Generator().manual_seed(0)      # noqa: E731
-    qa = bare_drafter(target, head).draft(ctx, 42, 1, 1.0, g()).support[0][1]
-    qb = drafter.draft(ctx, 42, 1, 1.0, g()).support[0][1]
+    qa = draw_block(bare_drafter(target, head), ctx, 42, 1, 1.0, g()).support[0][1]
+    qb = draw_block(drafter, ctx, 42, 1, 1.0, g()).support[0][1]
     assert not torch.allclose(qa, qb)
 
 
@@ -619,7 +629,7 @@ def test_a_draft_vocabulary_restricts_drafting_and_keeps_the_loss_exact(target, 
     checkpoint.save(head, path)
     loaded, _ = checkpoint.load(path)
     assert torch.equal(loaded.draft_vocab, vocab)
-    drafter = HeadDrafter(loaded, hf.get_input_embeddings(), hf.get_output_embeddings(), candidates=8)
+    drafter = HeadDrafter(loaded, hf.get_input_embeddings(), hf.get_output_embeddings())
     ids = prompts[0] + prompts[1] + prompts[2]
     seq = target_features(target[1], {"ids": ids, "prompt_len": 0}, drafter.taps)
     rows = Vocab(hf.get_output_embeddings(), vocab)
@@ -628,9 +638,9 @@ def test_a_draft_vocabulary_restricts_drafting_and_keeps_the_loss_exact(target, 
     for a in (2, len(ids) - BLOCK - 2):
         ctx = drafter.new_context()
         drafter.extend(ctx, seq.features[:a].float())
-        greedy = drafter.draft(ctx, ids[a], BLOCK)
+        greedy = draw_block(drafter, ctx, ids[a], BLOCK)
         assert set(greedy.tokens) <= inside
-        sampled = drafter.draft(ctx, ids[a], BLOCK, temperature=1.0, generator=g)
+        sampled = draw_block(drafter, ctx, ids[a], BLOCK, 1.0, g)
         for cands, probs in sampled.support:
             assert set(cands.tolist()) <= inside and float(probs.sum()) == pytest.approx(1.0, abs=1e-5)
         with torch.no_grad():
@@ -651,3 +661,12 @@ def test_a_draft_vocabulary_restricts_drafting_and_keeps_the_loss_exact(target, 
     save_file(tensors, str(bad), metadata=meta)
     with pytest.raises(HeadFileError, match="draft_vocab must be token ids inside the vocabulary"):
         checkpoint.load(bad)
+
+
+def test_under_load_a_position_stays_only_while_reaching_it_beats_its_price():
+    conf = [0.9, 0.8, 0.5]                                 # reach 0.9, 0.72, 0.36
+    assert worth_its_price(conf, 0.0) == 3                 # alone: no price
+    assert worth_its_price(conf, 0.5) == 2
+    assert worth_its_price(conf, 0.8) == 1
+    assert worth_its_price(conf, 0.95) == 0
+    assert worth_its_price([], 0.5) == 0

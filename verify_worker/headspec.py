@@ -9,7 +9,10 @@ so a round costs one pass plus one head pass and no network hop.
 
 How many drafted positions a round verifies follows the head's confidence (see
 tandem.head.drafter.choose_k): greedy requests weigh it against the worker's calibrated pass-cost
-curve; sampled ones use the fixed rule, so that a seed gives the same output on any worker. When
+curve, and then against the price of the pass the round joins (verify_worker/price.py: a position
+stays only while the chance of reaching it beats what it costs the other sessions of the pass, so
+under load the head proposes less); sampled ones use the fixed rule, so that a seed gives the same
+output on any worker at any load. When
 the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
 rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
 """
@@ -23,9 +26,10 @@ from functools import partial
 import torch
 
 from tandem.engine.batcher import Step
-from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k
+from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, worth_its_price
 from tandem.head.model import state_indices
 from tandem.service import metrics
+from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import make_generator
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
@@ -61,36 +65,39 @@ class HeadSpeculation:
         return then
 
     def draft(self, s: TargetSession, h: HeadSession) -> None:
-        """Drafts the next proposal after s's committed tokens (on the inference thread)."""
+        """Drafts the next proposal after s's committed tokens (on the inference thread), each
+        position through the request's pipeline and guide, as the target's rows will be."""
         start = time.perf_counter()
-        temperature = 0.0 if s.params.greedy else s.params.temperature
-        h.proposal = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, temperature,
-                                        h.generator)
+        rows = RowDrafter(s.tokens, s.prompt_len, s.params, self.engine.model.eos_ids, s.grammar, h.generator)
+        try:
+            h.proposal = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, rows)
+        finally:
+            rows.finish()
         seconds = time.perf_counter() - start
         metrics.PROPOSE.observe(seconds)
         ms = 1000 * seconds
         self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
 
-    def step(self, s: TargetSession, h: HeadSession, k: int | None = None) -> tuple[Step, list[int]]:
+    def step(self, s: TargetSession, h: HeadSession, k: int | None = None, price: float = 0.0
+             ) -> tuple[Step, list[int]]:
         """The round's step, and the tokens it proposes: the drafted block cut to the confident
-        part (or to `k` positions), to the room left and, under a guide, before the first token the
-        guide refuses."""
+        part (or to `k` positions) and to the room left. A cut never looks at a position's own
+        draw (the confidence of position j reads the tokens before it), so it keeps rejection
+        sampling exact; the guide needs no cut, the block was drawn under its mask."""
         draft = h.proposal or HeadDraft([], [])
         room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
                    self.engine.max_proposal)
         if k is None:
             curve = self.engine.model.forward_ms if s.params.greedy else []
             k = choose_k(draft.confidence, curve, self.draft_ms)
+            if s.params.greedy:
+                k = min(k, worth_its_price(draft.confidence, price))
         k = max(0, min(room, k))
         if h.proposal is not None:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.
             h.backoff = 0 if k else min(MAX_REST, 2 * h.backoff or 1)
             h.rest = h.backoff
         proposed = draft.tokens[:k]
-        if s.grammar is not None and proposed:
-            taken = s.grammar.advance(proposed)
-            s.grammar.rollback(taken)
-            proposed = proposed[:taken]
         support = draft.support[:len(proposed)] if draft.support is not None else None
         then = partial(self._judge, s, h, proposed, support)
         return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True), proposed

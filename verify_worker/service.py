@@ -239,7 +239,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             while True:
                 with telemetry.span("head round" if head else "decode round") as span:
                     if head:
-                        step, proposed = self.head.step(session, session.head)
+                        step, proposed = self.head.step(session, session.head,
+                                                        price=self.price.for_batch(len(self.sessions)))
                         ran = await self._round(context, step)
                         checked = ran.fed - 1
                     else:

@@ -6,12 +6,12 @@ states of the positions it fed, and those of the committed ones extend the conte
 context always covers the committed tokens but the last (the anchor, not yet fed to the target).
 
 A draft is one forward pass of the head over the block (anchor + mask tokens), then the block's
-positions are decided left to right: the base logits of each position (one product with the
-target's output layer for the whole block, only its rows of the head's draft vocabulary when it
-has one) are cut to their `candidates` likeliest tokens, the
-Markov head adds its bias from the token drafted before, and the token is the argmax (greedy) or a
-sample at the request's temperature. q, the distribution a position was sampled from, is exactly
-that softmax over the candidates, which is what rejection sampling needs to stay lossless.
+positions are decided left to right: each position's logits are the base logits (one product with
+the target's output layer for the whole block, only its rows of the head's draft vocabulary when
+it has one; every other token gets none) plus the Markov head's bias from the token drafted
+before, over the whole draft vocabulary as in training; the token is drawn from them through the
+request's own pipeline and guide (tandem.speculation.drafting.RowDrafter), as the draft model's
+are, so q is exactly the distribution drawn from.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ from operator import mul
 import torch
 
 from tandem.head.model import BlockHead
-
-# Candidates per block position before the Markov correction. The correction is a rank-r
-# product per candidate, so fewer candidates make drafting cheaper; any cut stays lossless.
-CANDIDATES = 32
+from tandem.speculation.drafting import RowDrafter
 
 
 class HeadContext:
@@ -65,19 +62,20 @@ class HeadDraft:
 class HeadDrafter:
     """A BlockHead bound to its target's embedding table and output layer (transformers modules)."""
 
-    def __init__(self, head: BlockHead, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 candidates: int = CANDIDATES) -> None:
+    def __init__(self, head: BlockHead, embed: torch.nn.Module, lm_head: torch.nn.Module) -> None:
         self.head = head.eval()
         self.embed, self.lm_head = embed, lm_head
-        self.candidates = candidates
         self.config = head.config
         # The output layer's rows of the draft vocabulary, when the head has one and the layer's
         # weight is at hand (a packed untied layer keeps none: then the head drafts from all).
         self.vocab = head.draft_vocab
         weight = getattr(lm_head, "weight", None)
-        self.vocab_weight = None
+        self.vocab_weight = self.markov_rows = None
+        self.vocab_size = int(weight.shape[0]) if weight is not None else None
         if self.vocab is not None and weight is not None:
             self.vocab_weight = weight.detach()[self.vocab].float().contiguous()
+            if head.markov_head is not None:        # the Markov head's rows of the draft vocabulary
+                self.markov_rows = head.markov_head.markov_w2.weight.detach()[self.vocab].float().contiguous()
         else:
             self.vocab = None
 
@@ -98,14 +96,14 @@ class HeadDrafter:
         ctx.append(self.head.context_kv(self.head.context(features), positions))
 
     @torch.inference_mode()
-    def draft(self, ctx: HeadContext, anchor: int, k: int, temperature: float = 0.0,
-              generator: torch.Generator | None = None) -> HeadDraft:
+    def draft(self, ctx: HeadContext, anchor: int, k: int, rows: RowDrafter) -> HeadDraft:
         """Up to k (at most block_size) tokens after `anchor`, the last committed token, whose
-        position is ctx.length. temperature 0: greedy, no q."""
+        position is ctx.length, each drawn by `rows` (which the caller finishes); fewer where a
+        position leaves nothing to draw."""
         c, head = self.config, self.head
         k = min(k, c.block_size)
         if k <= 0:
-            return HeadDraft([], [], None if temperature == 0.0 else [])
+            return HeadDraft([], [], rows.support)
         ids = torch.tensor([anchor] + [c.mask_token_id] * (c.block_size - 1))
         positions = torch.arange(ctx.length, ctx.length + c.block_size)
         hidden = head.backbone(self.embed(ids).float(), positions, ctx.view(), None)[:k]   # [k, H]
@@ -113,27 +111,28 @@ class HeadDrafter:
             base = hidden @ self.vocab_weight.T                                             # [k, n]
         else:
             base = self.lm_head(hidden).float()                                             # [k, V]
-        top = base.topk(min(self.candidates, base.shape[-1]), dim=-1)
-        top_ids = top.indices if self.vocab is None else self.vocab[top.indices]
         markov = head.markov_head
-        tokens, confidence, support = [], [], []
+        confidence = []
         prev = anchor
         for j in range(k):
-            cands, logits = top_ids[j], top.values[j]
             prev_t = torch.tensor([prev])
+            logits = base[j]
             if markov is not None:
-                logits = logits + markov.markov_w2.weight[cands] @ markov.markov_w1.weight[prev]
-            if temperature == 0.0:
-                tok = int(cands[int(logits.argmax())])
-            else:
-                probs = torch.softmax(logits / temperature, -1)
-                tok = int(cands[int(torch.multinomial(probs, 1, generator=generator))])
-                support.append((cands.clone(), probs))
+                w1 = markov.markov_w1.weight[prev]
+                logits = logits + (self.markov_rows @ w1 if self.markov_rows is not None else markov.markov_w2(w1))
+            if self.vocab is not None:
+                full = torch.full((self.vocab_size,), float("-inf"))
+                full[self.vocab] = logits
+                logits = full
+            drawn = rows.take(logits)
+            if drawn is None:
+                break
             conf = head.confidence_logits(hidden[j:j + 1], prev_t)
             confidence.append(1.0 if conf is None else float(torch.sigmoid(conf)[0]))
-            tokens.append(tok)
-            prev = tok
-        return HeadDraft(tokens, confidence, support if temperature != 0.0 else None)
+            if drawn.token in rows.eos_ids:
+                break
+            prev = drawn.token
+        return HeadDraft(list(rows.tokens), confidence, rows.support)
 
 
 def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0, floor: float = 0.05) -> int:
@@ -151,3 +150,13 @@ def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def worth_its_price(confidence: list[float], price: float) -> int:
+    """The longest prefix of positions whose chance of being reached (all positions up to it
+    accepted) beats `price`, the tokens one more position in the pass costs the others (all of
+    them when there is no price)."""
+    if price <= 0:
+        return len(confidence)
+    reach = list(accumulate(confidence, mul))
+    return next((j for j, r in enumerate(reach) if r <= price), len(reach))
