@@ -154,7 +154,8 @@ def pool_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         lse_own = lse_own.transpose(0, 1).reshape(1, hq, b * n)
         top = torch.maximum(lse_pre, lse_own)
         w_pre, w_own = (lse_pre - top).exp_().unsqueeze_(-1), (lse_own - top).exp_().unsqueeze_(-1)
-        out.append(((o_pre * w_pre + o_own * w_own) / (w_pre + w_own)).index_select(2, g.real))
+        # the weights are float32 (log-sum-exp is); the merged output returns to the model's dtype
+        out.append(((o_pre * w_pre + o_own * w_own) / (w_pre + w_own)).to(query.dtype).index_select(2, g.real))
     out = torch.cat(out, dim=2) if len(out) > 1 else out[0]
     if batch.order is not None:
         out = out.index_select(2, batch.order)
