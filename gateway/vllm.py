@@ -39,8 +39,8 @@ from gateway.observe import LOAD, OP_TEXT
 from gateway.routing import RoutingError
 from gateway.request import (GenRequest, InvalidRequest, Limits, check_guide, check_guided, check_processing,
                              check_reports, check_sampling, speculation_metadata, truncate)
-from vllm_engine import common_pb2
 from tandem.speculation.finish import Finish
+from vllm_engine import common_pb2
 from vllm_engine import vllm_engine_pb2 as pb
 from vllm_engine import vllm_engine_pb2_grpc as pb_grpc
 
@@ -99,25 +99,27 @@ def tokenizer_zip(folder: Path) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
+def _top(r: TokenReport, top: int) -> pb.TopLogProbs:
+    """The token's `top` best alternatives (the request's count; the reports may hold more)."""
+    return pb.TopLogProbs(token_ids=[t for t, _, _ in r.top[:top]], values=[lp for _, _, lp in r.top[:top]])
+
+
 def _reports(reports: list[TokenReport], top: int) -> pb.OutputLogProbs:
-    out = pb.OutputLogProbs()
-    for r in reports:
-        out.token_ids.append(r.token_id)
-        out.token_logprobs.append(r.logprob if r.logprob is not None else 0.0)
-        if top:
-            out.top_logprobs.add(token_ids=[t for t, _, _ in r.top[:top]], values=[lp for _, _, lp in r.top[:top]])
+    out = pb.OutputLogProbs(token_ids=[r.token_id for r in reports],
+                            token_logprobs=[r.logprob if r.logprob is not None else 0.0 for r in reports])
+    if top:
+        out.top_logprobs.extend(_top(r, top) for r in reports)
     return out
 
 
 def _prompt_reports(reports: list[TokenReport], top: int) -> pb.InputLogProbs:
-    out = pb.InputLogProbs()
+    out = pb.InputLogProbs(token_ids=[r.token_id for r in reports])
     for r in reports:
-        out.token_ids.append(r.token_id)
         value = out.token_logprobs.add()
         if r.logprob is not None:           # the first prompt token has nothing before it
             value.value = r.logprob
-        if top:
-            out.top_logprobs.add(token_ids=[t for t, _, _ in r.top[:top]], values=[lp for _, _, lp in r.top[:top]])
+    if top:
+        out.top_logprobs.extend(_top(r, top) for r in reports)
     return out
 
 
@@ -209,11 +211,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         params = check_processing(self.limits, params, repetition_penalty=s.repetition_penalty,
                                   presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                   where=where)
-        params = check_reports(params, logprobs=s.HasField("logprobs"), top_logprobs=max(0, s.logprobs),
-                               prompt_logprobs=s.HasField("prompt_logprobs"), field=where("logprobs"))
-        if s.HasField("prompt_logprobs"):
-            check_reports(params, logprobs=False, top_logprobs=max(0, s.prompt_logprobs), prompt_logprobs=True,
-                          field=where("prompt_logprobs"))
+        # One count of alternatives serves both reports: the larger, each answer cut to its own.
+        for name in ("logprobs", "prompt_logprobs"):
+            check_reports(params, logprobs=False, top_logprobs=max(0, getattr(s, name)), prompt_logprobs=False,
+                          field=where(name))
+        params = check_reports(params, logprobs=s.HasField("logprobs"),
+                               top_logprobs=max(0, s.logprobs, s.prompt_logprobs),
+                               prompt_logprobs=s.HasField("prompt_logprobs"))
         kind = s.WhichOneof("constraint")
         if kind == "json_object":
             params = check_guide(self.limits, params, "json" if s.json_object else None, where=lambda _: where(kind))

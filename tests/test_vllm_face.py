@@ -113,12 +113,16 @@ async def test_logprobs_of_each_token_and_the_prompt(stack):
     for token, value, top in zip(lp.token_ids, lp.token_logprobs, lp.top_logprobs):
         assert top.token_ids[0] == token and top.values[0] == pytest.approx(value)   # greedy: its own best
     inp = c.input_logprobs
+    assert [len(t.token_ids) for t in inp.top_logprobs] == [0] + [2] * (len(ids) - 1)   # its own count, not 3
     assert list(inp.token_ids) == ids
     assert not inp.token_logprobs[0].HasField("value") and all(t.HasField("value") for t in inp.token_logprobs[1:])
     streamed = await generate(stack, request(ids, max_tokens=8, logprobs=0, stream=True))
     reports = [t for m in streamed[:-1] for t in m.chunk.output_logprobs.token_logprobs]
     assert reports == pytest.approx(list(lp.token_logprobs), abs=1e-4)
     assert not any(m.chunk.output_logprobs.top_logprobs for m in streamed[:-1])     # logprobs=0: none
+    [only] = await generate(stack, request(ids, max_tokens=4, prompt_logprobs=4))      # prompt alternatives alone
+    assert not only.complete.HasField("output_logprobs")
+    assert [len(t.token_ids) for t in only.complete.input_logprobs.top_logprobs][1:] == [4] * (len(ids) - 1)
 
 
 async def test_a_json_schema_constrains_the_output(stack):
