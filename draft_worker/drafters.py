@@ -20,6 +20,7 @@ from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.grammar import Matcher
 from tandem.speculation.drafting import RowDrafter
+from tandem.speculation.ngram import lookup
 from tandem.speculation.sampling import SamplingParams, make_generator
 
 
@@ -198,8 +199,8 @@ class _Proposal:
 
 
 class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
-    (n = max_ngram down to min_ngram) and propose what followed it."""
+    """Prompt lookup (tandem.speculation.ngram): what followed the latest earlier occurrence of the
+    context's last n tokens (n = max_ngram down to min_ngram)."""
 
     name = "ngram"
     uses_model = False
@@ -213,17 +214,8 @@ class NgramDrafter:
         return self
 
     def propose(self, context: list[int], k: int) -> Draft:
-        if k <= 0:
-            return Draft([])
-        n_ctx = len(context)
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            tail = context[n_ctx - n:]
-            for start in range(n_ctx - n - 1, -1, -1):
-                if context[start:start + n] == tail:
-                    follow = context[start + n:start + n + k]
-                    if follow:
-                        return Draft(follow, kind=n)
-        return Draft([])
+        follow, n = lookup(context, k, self.max_ngram, self.min_ngram)
+        return Draft(follow, kind=n) if follow else Draft([])
 
     async def propose_batched(self, batcher, context: list[int], k: int) -> Draft:
         return self.propose(context, k)

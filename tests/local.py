@@ -56,10 +56,10 @@ def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: Sampli
     """The verify worker's head rounds (verify_worker.headspec) in one process: the same session
     steps and follow-ups, each step fed alone. Returns (generated tokens, drafted, accepted)."""
     s = open_head_session(engine, spec, prompt, params)
-    spec.draft(s, s.head)
+    spec.draft(s, s.drafting)
     drafted = accepted = 0
     while not s.stop_reason:
-        step, proposed = spec.step(s, s.head)
+        step, proposed = spec.step(s, s.drafting)
         v = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
         drafted += len(proposed)
         accepted += v.accepted
@@ -72,7 +72,7 @@ def open_head_session(engine: VerifyEngine, spec, prompt: list[int], params: Sam
     reused, every prompt position's states handed to the head; `grammar`, the guide's matcher after
     the prompt. Its first block is not drafted yet."""
     s = engine.open(session_id, prompt, params, reuse_prefix=False, grammar=grammar)
-    s.head = spec.open(s)
+    s.drafting = spec.open(s)
     for piece in engine.prefill_chunks(s, 512):
-        spec.prefill_then(s, s.head, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+        spec.prefill_then(s, s.drafting, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
     return s

@@ -119,7 +119,7 @@ async def start_stack(target: Path | str, draft: Path | str, limits: Limits | No
     spec = HeadSpeculation(load_drafter(str(head), target_model, str(target)), engine) if head else None
     verify = VerifyServicer(engine, Batcher(target_model, v_thread, taps=spec.taps if spec else ()),
                             SessionKeeper(target_model.pool.slots), grammars=grammars_for(target, target_model),
-                            head=spec)
+                            drafting=[spec] if spec else ())
     v_server, v_addr = await _serve(lambda s: internal_grpc.add_VerifyServiceServicer_to_server(verify, s))
     draft_servicer = DraftServicer({"ngram": NgramDrafter(), "model": ModelDrafter(draft_model)},
                                    draft_model.eos_ids, draft_model.vocab_size, d_thread,

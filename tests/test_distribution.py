@@ -669,9 +669,9 @@ def head_first_tokens(spec, prompt: list[int], params: SamplingParams, seen: Cou
     from tests.local import open_head_session
     engine = spec.engine
     s = open_head_session(engine, spec, prompt, params, "head", grammar)
-    spec.draft(s, s.head)
+    spec.draft(s, s.drafting)
     while len(s.tokens) - len(prompt) < T and not s.stop_reason:
-        step, proposed = spec.step(s, s.head)
+        step, proposed = spec.step(s, s.drafting)
         verdict = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
         seen[f"accepted {verdict.accepted} of {len(proposed)}"] += 1
     out = s.tokens[len(prompt):len(prompt) + T]

@@ -91,3 +91,34 @@ def test_real_model_with_the_shipped_head_equals_transformers(smollm):
         assert out == want[:len(out)] and len(out) == len(want) - (want[-1] in model.eos_ids), question
         drafted, accepted = drafted + d, accepted + a
     assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+
+
+def test_the_head_proposes_a_prompt_lookup_where_the_answer_copies_the_prompt(smollm):
+    """Asked to repeat a text, the head's rounds propose what followed the context's end earlier in
+    it (prompt lookup) where that promises more than the head's block: the output is still the
+    target's own greedy output, lookups were proposed, and they were accepted more often than the
+    head's blocks."""
+    from tandem.head.checkpoint import load_drafter
+    from tests.local import open_head_session
+    from verify_worker.headspec import HeadSpeculation
+    model, tok = smollm
+    engine = VerifyEngine(model)
+    spec = HeadSpeculation(load_drafter("shipped", model, PRESET), engine)
+    text = ("Repeat this sentence three times: the committee will meet on Tuesday at nine in the "
+            "small room on the second floor.")
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                      add_generation_prompt=True), add_special_tokens=False).input_ids
+    params = SamplingParams(max_new_tokens=60)
+    s = open_head_session(engine, spec, ids, params)
+    spec.draft(s, s.drafting)
+    by_source = {True: [0, 0], False: [0, 0]}          # lookup? -> [proposed, accepted]
+    while not s.stop_reason:
+        looked_up = s.drafting.proposal is not None and s.drafting.proposal.ngram > 0
+        step, proposed = spec.step(s, s.drafting)
+        verdict = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+        by_source[looked_up][0] += len(proposed)
+        by_source[looked_up][1] += verdict.accepted
+    assert s.tokens[len(ids):] == reference(model, ids, params)
+    (lookup_proposed, lookup_accepted), (head_proposed, head_accepted) = by_source[True], by_source[False]
+    assert lookup_proposed > 0 and s.drafting.lookups, by_source
+    assert lookup_accepted / lookup_proposed > head_accepted / max(1, head_proposed), by_source

@@ -105,7 +105,7 @@ async def main(args: argparse.Namespace) -> None:
     keeper = SessionKeeper(engine.model.pool.slots, admission_timeout=args.admission_timeout)
     servicer = VerifyServicer(engine, batcher, keeper, prefill_chunk=args.prefill_chunk,
                               share_prefixes=args.share_prefixes, grammars=grammars,
-                              compile_timeout=args.guide_compile_timeout, head=head)
+                              compile_timeout=args.guide_compile_timeout, drafting=[head] if head else [])
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()

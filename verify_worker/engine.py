@@ -34,7 +34,7 @@ class TargetSession:
     generator: torch.Generator | None = None
     stop_reason: Finish = Finish.NONE
     grammar: Matcher | None = None     # the guide's state after `tokens` (structured output)
-    head: Any = None                   # its trained head's state (verify_worker.headspec.HeadSession)
+    drafting: Any = None               # the state of the worker's own drafting for it (verify_worker/rounds.py)
 
     @property
     def generated(self) -> int:

@@ -15,13 +15,21 @@ under load the head proposes less); sampled ones use the fixed rule, so that a s
 output on any worker at any load. When
 the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
 rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
+
+Each draft also looks the context's end up earlier in it (prompt lookup, as n-gram drafting does)
+and proposes what followed instead of the head's block when that promises more accepted tokens: by
+this session's acceptance of earlier lookups with as long a match, against the head's confidence.
+Where answers copy the prompt (extraction, edits, roleplay) lookups win; elsewhere the head does.
+The choice reads only what is already decided, so sampled output stays exact and reproducible.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
+from operator import mul
 
 import torch
 
@@ -30,7 +38,9 @@ from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, w
 from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.drafting import RowDrafter
+from tandem.speculation.ngram import lookup
 from tandem.speculation.sampling import make_generator
+from tandem.speculation.survival import Survival
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
 METHOD = "head"
@@ -44,9 +54,16 @@ class HeadSession:
     proposal: HeadDraft | None = None      # the next round's, drafted right after the last verdict
     rest: int = 0                          # plain rounds left before the head drafts again
     backoff: int = 0                       # the length of the last rest
+    # this session's prompt-lookup proposals: acceptance through each position, by match length
+    lookups: dict[int, Survival] = field(default_factory=dict)
 
 
 class HeadSpeculation:
+    """Draft method "head" (an OwnDrafting, verify_worker/rounds.py)."""
+    method = METHOD
+    span = "head round"
+    reads_states = True
+
     def __init__(self, drafter: HeadDrafter, engine: VerifyEngine) -> None:
         self.drafter, self.engine = drafter, engine
         self.taps = state_indices(drafter.taps)           # indices into the target's hidden states
@@ -64,19 +81,40 @@ class HeadSpeculation:
             return report(logits)
         return then
 
+    def start(self, s: TargetSession, h: HeadSession) -> None:
+        self.draft(s, h)
+
+    def propose_seconds(self) -> float:
+        return self.draft_ms / 1000
+
     def draft(self, s: TargetSession, h: HeadSession) -> None:
         """Drafts the next proposal after s's committed tokens (on the inference thread), each
         position through the request's pipeline and guide, as the target's rows will be."""
         start = time.perf_counter()
         rows = RowDrafter(s.tokens, s.prompt_len, s.params, self.engine.model.eos_ids, s.grammar, h.generator)
         try:
-            h.proposal = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, rows)
+            head = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, rows)
         finally:
             rows.finish()
+        h.proposal = self._lookup(s, h, head) or head
         seconds = time.perf_counter() - start
         metrics.PROPOSE.observe(seconds)
         ms = 1000 * seconds
         self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
+
+    def _lookup(self, s: TargetSession, h: HeadSession, head: HeadDraft) -> HeadDraft | None:
+        """A prompt lookup's proposal (tandem.speculation.ngram) when it promises more accepted
+        tokens than the head's block: by this session's acceptance of earlier lookups with a match
+        as long, against the head's confidence. Its tokens are certain: q puts all its mass on them."""
+        follow, n = lookup(s.tokens, self.engine.max_proposal)
+        if not follow:
+            return None
+        reach = h.lookups.setdefault(n, Survival()).reach(len(follow))
+        if sum(reach) <= sum(accumulate(head.confidence, mul)):
+            return None
+        confidence = [r / before if before else 0.0 for r, before in zip(reach, [1.0, *reach])]
+        support = None if s.params.greedy else [(torch.tensor([t]), torch.tensor([1.0])) for t in follow]
+        return HeadDraft(follow[:len(reach)], confidence, support, ngram=n)
 
     def step(self, s: TargetSession, h: HeadSession, k: int | None = None, price: float = 0.0
              ) -> tuple[Step, list[int]]:
@@ -99,10 +137,11 @@ class HeadSpeculation:
             h.rest = h.backoff
         proposed = draft.tokens[:k]
         support = draft.support[:len(proposed)] if draft.support is not None else None
-        then = partial(self._judge, s, h, proposed, support)
+        then = partial(self._judge, s, h, proposed, support, draft.ngram)
         return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True), proposed
 
-    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], support, rows) -> VerdictResult:
+    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], support, ngram: int,
+               rows) -> VerdictResult:
         logits, features = rows
         vocab = self.engine.model.vocab_size
 
@@ -115,6 +154,8 @@ class HeadSpeculation:
             return dense
 
         verdict = self.engine.judge_fed(s, proposed, q, logits)
+        if ngram and proposed:
+            h.lookups[ngram].add(logits.shape[0] - 1, verdict.accepted)
         self.drafter.extend(h.context, features[:s.cache.length - h.context.length])
         h.proposal = None
         if verdict.stop_reason:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from functools import partial
 
 import grpc
@@ -15,10 +16,9 @@ from tandem.speculation.grammar import GrammarError, Grammars, Matcher
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
-from verify_worker.headspec import METHOD as HEAD
-from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice
+from verify_worker.rounds import OWN_METHODS, OwnDrafting, Plain
 from verify_worker.streamed import StreamedRun, read_pieces
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
     def __init__(self, engine: VerifyEngine, batcher: Batcher, keeper: SessionKeeper | None = None,
                  prefill_chunk: int = 256, share_prefixes: bool = True, grammars: Grammars | None = None,
-                 compile_timeout: float = 10.0, head: HeadSpeculation | None = None) -> None:
+                 compile_timeout: float = 10.0, drafting: Sequence[OwnDrafting] = ()) -> None:
+        """drafting: the draft methods this worker serves itself beside plain decoding (a trained head)."""
         self.engine = engine
-        self.head = head                       # None: draft method "head" is refused
+        self.own = {d.method: d for d in (Plain(engine), *drafting)}   # by draft method
         self.grammars = grammars               # None: guided requests are refused
         self.compile_timeout = compile_timeout
         self.share_prefixes = share_prefixes   # copy a prompt prefix's KV from another session
@@ -59,12 +60,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         metrics.gauge_from(metrics.KV_POOL_BYTES, lambda: self.engine.model.pool.nbytes)
         metrics.gauge_from(metrics.TOKEN_COST, lambda: self.price.value)
 
-    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling, head: bool = False
-                    ) -> tuple[TargetSession, int, list]:
+    async def _open(self, context, session_id: str, prompt_ids: list[int], sampling,
+                    own: OwnDrafting | None = None) -> tuple[TargetSession, int, list]:
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
         tokens whose KV came from its kept earlier turn, and the prompt tokens' reports (protobuf)
-        when the session asks for them. With `head`, the trained head reads every prompt position's
-        states: no KV is reused or shared, and the prefill hands them to it."""
+        when the session asks for them. `own`: the worker's own drafting for the session (Decode),
+        which gets the prefill's follow-ups; one that reads states gets every prompt position's, so
+        no KV is reused or shared."""
+        states = own is not None and own.reads_states
         logs.session_id.set(session_id)
         try:
             params = wire.check_params(wire.params_from_proto(sampling))
@@ -78,7 +81,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 return self.engine.open(session_id, prompt_ids, params, grammar=grammar)
             # Between passes: a session whose stream broke mid-round may still be in a pass.
             return await self.batcher.between_passes(self.engine.open, session_id, prompt_ids, params, reuse,
-                                                     grammar, not head)
+                                                     grammar, not states)
 
         try:
             session = await self.keeper.place(id(context), session_id, need, open_session,
@@ -89,9 +92,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         except KVBudgetExceeded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         reports = []
-        if head:
-            session.head = self.head.open(session)
-        if self.share_prefixes and not params.prompt_logprobs and not head:   # prompt logprobs need every row
+        if own is not None:
+            session.drafting = own.open(session)
+        if self.share_prefixes and not params.prompt_logprobs and not states:   # prompt logprobs need every row
             donors = [*self.sessions.values(), *self.keeper.idle.values()]
             await self.batcher.between_passes(self.engine.share_prefix, session, donors)
         cached = session.cache.length
@@ -100,10 +103,10 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             seconds = 0.0
             for chunk in self.engine.prefill_chunks(session, self.prefill_chunk):
                 report = partial(self.engine.prompt_report, session, start=session.cache.length)
-                if head:
-                    report = self.head.prefill_then(session, session.head, report)
+                if own is not None:
+                    report = own.prefill_then(session, session.drafting, report)
                 ran = await self.batcher.forward(Step(session.cache, chunk, self.engine.prefill_rows(session),
-                                                      report, prefill=True, taps=head))
+                                                      report, prefill=True, taps=states))
                 seconds += ran.seconds
                 reports += ran.value
             if span is not None:
@@ -224,36 +227,32 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             logprobs=wire.logprobs_to_proto(verdict.logprobs or ())))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        head = request.method == HEAD
-        if request.method not in ("", "none", HEAD):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"method {request.method!r} is not one a verify worker serves (none, head)")
-        if head and self.head is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this verify worker has no trained head loaded")
+        method = request.method or "none"
+        own = self.own.get(method)
+        if own is None:
+            if method in OWN_METHODS:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"this verify worker does not serve draft method {method!r}: {OWN_METHODS[method]}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"method {request.method!r} is not one a verify "
+                                f"worker serves ({', '.join(OWN_METHODS)})")
         try:
             session, cached, prompt_reports = await self._open(context, request.session_id,
-                                                               list(request.prompt_ids), request.sampling, head)
-            if head:
-                await self.batcher.between_passes(self.head.draft, session, session.head)
+                                                               list(request.prompt_ids), request.sampling, own)
+            await self.batcher.between_passes(own.start, session, session.drafting)
             first = True
             while True:
-                with telemetry.span("head round" if head else "decode round") as span:
-                    if head:
-                        step, proposed = self.head.step(session, session.head,
-                                                        price=self.price.for_batch(len(self.sessions)))
-                        ran = await self._round(context, step)
-                        checked = ran.fed - 1
-                    else:
-                        ran, checked = await self._verify(context, session, [], (), returns=True), 0
-                    verdict = ran.value
+                with telemetry.span(own.span) as span:
+                    step, proposed = own.step(session, session.drafting,
+                                              price=self.price.for_batch(len(self.sessions)))
+                    ran = await self._round(context, step)
+                    checked, verdict = ran.fed - 1, ran.value
                     if span is not None:
                         span.set_attributes(round_attributes(checked, verdict.accepted, verdict.token_ids,
                                                              ran.batch_size, ran.seconds))
-                        if head:
-                            span.set_attribute("tandem.propose_seconds", self.head.draft_ms / 1000)
+                        if (seconds := own.propose_seconds()) is not None:
+                            span.set_attribute("tandem.propose_seconds", seconds)
                 metrics.VERIFY_SECONDS.observe(ran.seconds)
-                if head:
-                    metrics.observe_verdict(HEAD, checked, verdict.accepted)
+                metrics.observe_verdict(method, checked, verdict.accepted)
                 yield pb.TokenChunk(token_ids=verdict.token_ids, stop_reason=verdict.stop_reason.wire,
                                     draft_tokens=checked, accepted_tokens=verdict.accepted,
                                     cached_tokens=cached if first else 0,

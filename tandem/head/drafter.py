@@ -57,6 +57,7 @@ class HeadDraft:
     tokens: list[int]
     confidence: list[float]        # per position: predicted probability the target accepts it
     support: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # q per position, when sampled
+    ngram: int = 0                 # a prompt lookup's match length when the tokens come from one
 
 
 class HeadDrafter:

@@ -33,15 +33,22 @@ class Survival:
         c.accepted = [x * scale for x in self.accepted]
         return c
 
+    def reach(self, k: int) -> list[float]:
+        """How often a proposal is accepted through each of positions 1..k (as far as counted)."""
+        out = []
+        rate = first = (self.accepted[1] + 0.5) / (self.reached[1] + 1)
+        for j in range(1, min(k, len(self.reached) - 1) + 1):
+            if j > 1:
+                rate = (self.accepted[j] + rate * first) / (self.reached[j] + 1)
+            out.append(rate)
+        return out
+
     def worth(self, k: int, price: float) -> int:
         """The longest prefix of k positions each of which is accepted more often than `price`
         (all k when there is no price: the worker has time to spare)."""
         if price <= 0:
             return k
-        rate = first = (self.accepted[1] + 0.5) / (self.reached[1] + 1)
-        for j in range(1, min(k, len(self.reached) - 1) + 1):
-            if j > 1:
-                rate = (self.accepted[j] + rate * first) / (self.reached[j] + 1)
+        for j, rate in enumerate(self.reach(k), 1):
             if rate <= price:
                 return j - 1
         return k
