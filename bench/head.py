@@ -13,7 +13,8 @@ Then, in this process with the service stopped, on the held-out prompts: the hea
 (one head pass over its block, and the verify pass of the positions it proposes, both timed on the
 serving engine) and the confidence head's calibration: every round verifies the whole block, and
 for each position j the predicted chance that positions 0..j are all accepted (the product of the
-confidences) is set against whether they were, in ten bins (expected calibration error per position).
+confidences) is set against whether they were, in ten bins (expected calibration error per position;
+rounds that proposed a prompt lookup instead of the head's block are left out of it).
 """
 
 from __future__ import annotations
@@ -96,17 +97,19 @@ def offline(texts: list[str], head: str, threads: int, max_new_tokens: int, bins
         ids = tok(chat, add_special_tokens=False)["input_ids"]
         s = open_head_session(engine, spec, ids, SamplingParams(max_new_tokens=max_new_tokens), "bench")
         start = time.perf_counter()
-        spec.draft(s, s.head)
+        spec.draft(s, s.drafting)
         draft_s.append(time.perf_counter() - start)
         while not s.stop_reason:
-            block = s.head.proposal
-            step, proposed = spec.step(s, s.head, k=W)
+            block = s.drafting.proposal
+            step, proposed = spec.step(s, s.drafting, k=W)
             start = time.perf_counter()
             rows = model.forward(step.tokens, s.cache, taps=spec.taps)
             verify_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             verdict = step.then(rows)                      # judges, and drafts the next block
             draft_s.append(time.perf_counter() - start)
+            if block.ngram:                    # a prompt lookup's, not the confidence head's
+                continue
             reach = 1.0
             for j, c in enumerate(block.confidence[:len(proposed)]):
                 reach *= c
