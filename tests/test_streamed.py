@@ -163,3 +163,38 @@ async def test_a_sampled_session_cannot_stream(stack):
                 pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "stream needs a greedy session" in e.value.details()
+
+
+@pytest.mark.service
+async def test_a_streamed_session_ends_in_order_while_the_draft_side_still_writes(stack):
+    """The draft worker may be writing a piece as the last verdict goes out. The verify worker ends
+    the stream only once the draft side has closed its side, so such a write never fails the call
+    (gRPC would fail it as INTERNAL, the last verdict unread): the last verdict arrives and the call
+    ends OK, every time. (Ending it at once failed here within a few sessions.)"""
+    async with grpc.aio.insecure_channel(stack.verify_address) as ch:
+        for i in range(30):
+            call = ipb_grpc.VerifyServiceStub(ch).Verify()
+            await call.write(ipb.VerifyRequest(open=ipb.OpenSession(
+                session_id=f"ordered-{i}", prompt_ids=[1, 2, 3], stream=True,
+                sampling=ipb.WorkerSampling(top_p=1.0, max_new_tokens=3))))
+
+            done = asyncio.Event()
+
+            async def pauses():          # a draft side with nothing to propose, saying so again and again
+                while not done.is_set():
+                    await call.write(ipb.VerifyRequest(proposal=ipb.Proposal(start=0)))
+                    await asyncio.sleep(0)
+
+            writer = asyncio.create_task(pauses())
+            try:
+                stop = 0
+                while not stop:
+                    msg = await call.read()
+                    assert msg is not grpc.aio.EOF
+                    stop = msg.verdict.stop_reason if msg.HasField("verdict") else 0
+            finally:
+                done.set()               # as the draft worker stops drafting: the write under way ends
+                written = (await asyncio.gather(writer, return_exceptions=True))[0]
+            assert written is None, (i, written)
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK, (i, await call.details())

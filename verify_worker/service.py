@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from functools import partial
@@ -22,6 +23,9 @@ from verify_worker.rounds import OWN_METHODS, OwnDrafting, Plain
 from verify_worker.streamed import StreamedRun, read_pieces
 
 log = logging.getLogger(__name__)
+
+# How long a finished streamed session waits for the draft worker to close its side of the stream.
+HALF_CLOSE_S = 2.0
 
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
@@ -202,6 +206,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 run.judged(ran.value.token_ids, ran.fed - 1, ran.value.accepted)
                 yield self._verdict(ran, len(tokens))
                 if ran.value.stop_reason:
+                    # The draft worker may be writing a piece as the last verdict goes out. Ending the
+                    # call under that write fails it, and gRPC then fails the whole call on the
+                    # draft worker's side (INTERNAL), last verdict unread. So the stream ends once
+                    # the draft worker has closed its side, which it does after the last verdict.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(reader), HALF_CLOSE_S)
                     return
             if run.error is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, run.error)
