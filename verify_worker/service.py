@@ -23,9 +23,7 @@ from verify_worker.rounds import OWN_METHODS, OwnDrafting, Plain
 from verify_worker.streamed import StreamedRun, read_pieces
 
 log = logging.getLogger(__name__)
-
-# How long a finished streamed session waits for the draft worker to close its side of the stream.
-HALF_CLOSE_S = 2.0
+HALF_CLOSE_S = 2.0      # how long a finished streamed session waits for the draft side to close its side
 
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
@@ -206,10 +204,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 run.judged(ran.value.token_ids, ran.fed - 1, ran.value.accepted)
                 yield self._verdict(ran, len(tokens))
                 if ran.value.stop_reason:
-                    # The draft worker may be writing a piece as the last verdict goes out. Ending the
-                    # call under that write fails it, and gRPC then fails the whole call on the
-                    # draft worker's side (INTERNAL), last verdict unread. So the stream ends once
-                    # the draft worker has closed its side, which it does after the last verdict.
+                    # Ended under a piece being written, the call fails on the draft side (INTERNAL),
+                    # last verdict unread: so it ends once the draft side has closed its side.
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.shield(reader), HALF_CLOSE_S)
                     return
