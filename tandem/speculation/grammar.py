@@ -105,7 +105,7 @@ class Grammars:
             if guide.kind == "json":
                 return c.compile_builtin_json_grammar()
             if guide.kind == "json_schema":
-                return c.compile_json_schema(guide.text, any_whitespace=False)
+                return self._some_value(c.compile_json_schema(guide.text, any_whitespace=False))
             if guide.kind == "regex":
                 return c.compile_regex(guide.text)
             if guide.kind == "choice":
@@ -115,6 +115,16 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:
             return GrammarError(f"{guide.kind} does not compile: {_message(e)}")
         return GrammarError(f"unknown constraint kind {guide.kind!r} (one of {', '.join(KINDS)})")
+
+    def _some_value(self, compiled: xgr.CompiledGrammar) -> xgr.CompiledGrammar | GrammarError:
+        """A JSON Schema no value satisfies (an empty anyOf or enum, contradicting keywords) compiles
+        to a grammar that allows only the end at once: the empty output, which is no JSON."""
+        first = self._matcher(compiled).allowed()[0].clone()
+        first[self.stop_ids] = False
+        if not bool(first.any()):
+            return GrammarError("json_schema admits no JSON value (an empty anyOf, oneOf or enum, or "
+                                "contradicting keywords)")
+        return compiled
 
     def matcher(self, guide: Guide) -> Matcher:
         return self._matcher(self.compile(guide))
