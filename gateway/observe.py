@@ -28,6 +28,11 @@ class Load:
     running = 0
     waiting = 0
 
+    @property
+    def streaming(self) -> int:
+        """Those with a token out: what vLLM counts as running."""
+        return self.running - self.waiting
+
 
 LOAD = Load()
 
@@ -39,7 +44,7 @@ def export_load(kv_snapshot) -> None:
         return used / total if total else 0.0
     metrics.gauge_from(metrics.RUNNING, lambda: LOAD.running)
     metrics.gauge_from(metrics.WAITING, lambda: LOAD.waiting)
-    metrics.gauge_from(metrics.VLLM_RUNNING, lambda: LOAD.running - LOAD.waiting)
+    metrics.gauge_from(metrics.VLLM_RUNNING, lambda: LOAD.streaming)
     metrics.gauge_from(metrics.VLLM_WAITING, lambda: LOAD.waiting)
     metrics.gauge_from(metrics.VLLM_KV_USAGE, kv_usage)
 

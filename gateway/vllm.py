@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import time
 import uuid
@@ -32,13 +31,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
+from transformers import GenerationConfig
 
 from gateway.core import GenerationCore
-from gateway.events import Delta, Final, GatewayError, TokenReport, answers
+from gateway.events import Delta, Final, TokenReport, answers
 from gateway.observe import LOAD, OP_TEXT
 from gateway.routing import RoutingError
 from gateway.request import (GenRequest, InvalidRequest, Limits, check_guide, check_guided, check_processing,
                              check_reports, check_sampling, speculation_metadata, truncate)
+from tandem.engine.modeling import eos_ids
 from tandem.speculation.finish import Finish
 from vllm_engine import common_pb2
 from vllm_engine import vllm_engine_pb2 as pb
@@ -74,13 +75,10 @@ class ModelFacts:
 
     @classmethod
     def read(cls, name: str, folder: Path, config, tokenizer) -> ModelFacts:
-        eos = getattr(config, "eos_token_id", None)
-        generation = folder / "generation_config.json"
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        generation = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
+                      else None)
         return cls(name, folder, int(config.vocab_size), str(config.model_type),
-                   tuple(getattr(config, "architectures", None) or ()), eos_ids,
+                   tuple(getattr(config, "architectures", None) or ()), tuple(eos_ids(generation, config)),
                    _id(tokenizer.bos_token_id), _id(tokenizer.pad_token_id))
 
 
@@ -213,7 +211,10 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                                   where=where)
         # One count of alternatives serves both reports: the larger, each answer cut to its own.
         for name in ("logprobs", "prompt_logprobs"):
-            check_reports(params, logprobs=False, top_logprobs=max(0, getattr(s, name)), prompt_logprobs=False,
+            if getattr(s, name) < 0:
+                raise InvalidRequest(f"{where(name)} must be between 0 and 10 (-1, every token, is not "
+                                     f"supported), got {getattr(s, name)}")
+            check_reports(params, logprobs=False, top_logprobs=getattr(s, name), prompt_logprobs=False,
                           field=where(name))
         params = check_reports(params, logprobs=s.HasField("logprobs"),
                                top_logprobs=max(0, s.logprobs, s.prompt_logprobs),
@@ -243,10 +244,6 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         if s.WhichOneof("constraint") == "structural_tag":
             raise InvalidRequest("sampling_params.structural_tag is not supported by Tandem; use json_schema, "
                                  "regex, grammar or choice")
-        for name in ("logprobs", "prompt_logprobs"):
-            if s.HasField(name) and getattr(s, name) < 0:
-                raise InvalidRequest(f"sampling_params.{name} must be between 0 and 10 (-1, every token, is "
-                                     f"not supported), got {getattr(s, name)}")
 
     # ---- generation ----
 
@@ -351,9 +348,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         except RoutingError:
             pass                             # the budget as last read
         used, total = self.core.router.kv_snapshot()
-        running, waiting = LOAD.running - LOAD.waiting, LOAD.waiting
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
-                                num_total_reqs=running + waiting, num_used_tokens=used, max_total_num_tokens=total,
+        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=LOAD.streaming, num_waiting_reqs=LOAD.waiting,
+                                num_total_reqs=LOAD.running, num_used_tokens=used, max_total_num_tokens=total,
                                 token_usage=used / total if total else 0.0)
         return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="tandem",
                                    dp_rank_count=1, loads=[load])

@@ -39,10 +39,14 @@ class SmgRouter:
     def start(self, timeout: float = 120) -> SmgRouter:
         self.port = self.port or free_port()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "smg", "launch", "--worker-urls", f"grpc://{self.gateway}", "--host", self.host,
-             "--port", str(self.port), "--prometheus-port", str(free_port()), "--log-level", "warn",
-             *self.extra_args], stdout=log, stderr=log)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "smg", "launch", "--worker-urls", f"grpc://{self.gateway}", "--host",
+                 self.host, "--port", str(self.port), "--prometheus-port", str(free_port()), "--log-level", "warn",
+                 *self.extra_args], stdout=log, stderr=log)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()                 # the process has its own copy
         try:
             self._wait_ready(timeout)
         except BaseException:

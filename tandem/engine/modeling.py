@@ -74,7 +74,7 @@ class CausalLM:
         self.name = spec
         self.vocab_size: int = config.vocab_size
         self.max_context: int = context_length(config)
-        self.eos_ids: list[int] = _eos_ids(self.model)
+        self.eos_ids: list[int] = eos_ids(self.model.generation_config, self.model.config)
         log.info("loaded %s (%s%s) from %s in %.1fs (vocab %d, context %d, eos %s, KV pool %d tokens, %.0f MiB)",
                  spec, dtype, ", packed GEMM" if self.packed else "", self.path, time.monotonic() - start,
                  self.vocab_size, self.max_context, self.eos_ids, self.pool.slots, self.pool.nbytes / 2**20)
@@ -244,10 +244,12 @@ def vocab_mismatch(target: str, draft: str) -> str | None:
     return None
 
 
-def _eos_ids(model) -> list[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
+def eos_ids(generation_config, config) -> list[int]:
+    """The end-of-sequence ids: the generation config's (None when there is none), else the model
+    config's."""
+    ids = getattr(generation_config, "eos_token_id", None)
     if ids is None:
-        ids = model.config.eos_token_id
+        ids = getattr(config, "eos_token_id", None)
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
