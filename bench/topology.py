@@ -11,8 +11,10 @@ static routing (and a draft worker) of its own, so that a request picks its layo
 - plain: the target alone (draft method none), the verify worker's CPUs to itself;
 - co-located: a draft worker on the verify worker's CPUs, the two taking turns;
 - split: the draft worker on the other CPUs;
-- split-ahead: split, with --pipeline (the draft worker streams its proposals, drafting while the target
-  verifies);
+- split-stream: split, with --pipeline --no-prepare (the draft worker streams its proposals, drafting
+  while the target verifies);
+- split-ahead: split-stream with prepared continuations (--prepare, the default: after a verdict that
+  takes the draft's second choice where it was unsure, the continuation drafted for it goes out at once);
 - link-Nms: split-ahead, dialing the verify worker through tandem.linkproxy (--verify-route) with
   N ms of one-way delay, set before each run.
 
@@ -52,7 +54,7 @@ from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 BUSY = "tandem_inference_busy_seconds_total"    # one inference thread per worker: one sample
-BASE = ("plain", "co-located", "split", "split-ahead")
+BASE = ("plain", "co-located", "split", "split-stream", "split-ahead")
 FULL = {"pair": ["smollm", "qwen"], "streams": "1,4", "prompts": len(PROMPTS), "max_new_tokens": 64}
 QUICK = {"pair": ["smollm"], "streams": "1", "prompts": 2, "max_new_tokens": 24}
 
@@ -101,7 +103,8 @@ def start_layouts(stack: Stack, names: list[str], a, proxy) -> dict[str, Layout]
             out[name] = Layout(name, gateway(None), None)
         elif name in BASE:
             draft = stack.add_worker("draft_worker", cpus=a.verify_cpus if name == "co-located" else a.other_cpus,
-                                     extra_args=["--pipeline"] if name == "split-ahead" else [])
+                                     extra_args={"split-stream": ["--pipeline", "--no-prepare"],
+                                                 "split-ahead": ["--pipeline"]}.get(name, []))
             out[name] = Layout(name, gateway(draft), draft)
     if links:
         try:

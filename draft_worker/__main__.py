@@ -38,6 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--pipeline", default=False, type=bool,
              help="greedy requests without a guide: stream proposals, drafting on while the verify worker "
                   "checks what has arrived; pays off when draft and verify workers run on hardware of their own")
+    add_flag(parser, "--prepare", default=True, type=bool,
+             help="with --pipeline and a draft model: also draft, in the same batched steps, the continuation "
+                  "after the draft's second choice where the target is likeliest to take it, sent the moment "
+                  "a verdict does")
     add_flag(parser, "--verify-route", default="",
              help="comma-separated ADDRESS=VIA pairs: dial VIA where a verify worker registered ADDRESS "
                   "(a proxy or tunnel on the link between the pools)")
@@ -98,7 +102,7 @@ async def main(args: argparse.Namespace) -> None:
         batcher = Batcher(model, inference, max_tokens=args.max_batch_tokens)
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
-                             batcher=batcher, pipeline=args.pipeline, grammars=grammars,
+                             batcher=batcher, pipeline=args.pipeline, prepare=args.prepare, grammars=grammars,
                              compile_timeout=args.guide_compile_timeout, jump_forward=args.jump_forward,
                              routes=parse_routes(args.verify_route), link_timeout=args.link_timeout)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)

@@ -19,7 +19,7 @@ from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_l
 from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.grammar import Matcher
-from tandem.speculation.drafting import RowDrafter
+from tandem.speculation.drafting import Drawn, RowDrafter
 from tandem.speculation.ngram import lookup
 from tandem.speculation.sampling import SamplingParams, make_generator
 
@@ -33,10 +33,11 @@ class Draft:
     kind: int | None = None                    # proposals of one kind share an acceptance record:
                                                # the n-gram drafter's match length; None: one for all
     forced: int = 0                            # leading tokens a guide forces (jump-forward), not drafted
+    drawn: list[Drawn] | None = None           # a model's greedy draft: per token, its q and the second choice
 
     def prefix(self, n: int) -> Draft:
         return Draft(self.tokens[:n], self.support[:n] if self.support is not None else None, self.kind,
-                     min(self.forced, n))
+                     min(self.forced, n), self.drawn[:n] if self.drawn is not None else None)
 
 
 class DraftState(Protocol):
@@ -182,12 +183,15 @@ class _Proposal:
     def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int]) -> None:
         self.state, self.k, self.feed = state, k, feed
         self.rows = RowDrafter(context, state.prompt_len, state.params, state.eos_ids, state.grammar,
-                               state.generator, want_prob=bool(state.confidence))
+                               state.generator, want_prob=True)
+        self.drawn: list[Drawn] = []
 
     def take(self, logits: torch.Tensor) -> list[int]:
         st = self.state
         st.cached.extend(self.feed)
         drawn = self.rows.take(logits)
+        if drawn is not None:
+            self.drawn.append(drawn)
         done = (drawn is None or len(self.rows.tokens) >= self.k or drawn.token in st.eos_ids
                 or drawn.prob < st.confidence)
         self.feed = [] if done else [drawn.token]
@@ -195,7 +199,7 @@ class _Proposal:
 
     def draft(self) -> Draft:
         self.rows.finish()
-        return Draft(self.rows.tokens, self.rows.support)
+        return Draft(self.rows.tokens, self.rows.support, drawn=self.drawn if self.state.params.greedy else None)
 
 
 class NgramDrafter:

@@ -51,6 +51,7 @@ class Drafting:
     grammars: Grammars | None = None   # guides compiled for the draft model's vocabulary (None: no model)
     compile_timeout: float = 10.0
     jump_forward: bool = True     # propose the tokens a guide forces before the drafted ones
+    prepare: bool = True          # streamed: prepare the continuation after the draft's second choice
 
 
 class VerifyClosed(Exception):
@@ -88,7 +89,7 @@ class Speculation:
         self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
                                         proposal_room(opened.max_proposal), self.grammar)
         if stream:
-            self.streaming = Streaming(self)
+            self.streaming = Streaming(self, self.drafting.eos_ids, self.drafting.prepare)
             return opened
         # Greedy only: a sampled request's output must not depend on measured timings, so that its
         # seed reproduces it on any worker.
@@ -228,9 +229,16 @@ class Speculation:
             support = [(torch.tensor([t]), torch.tensor([1.0])) for t in forced] + support
         return Draft(forced + draft.tokens, support, draft.kind, len(forced)), time.perf_counter() - start
 
-    def propose(self, tokens: list[int], k: int) -> asyncio.Future:
-        """The drafter's proposal of up to k tokens after `tokens`, and the seconds it took, as a future."""
-        state, drafting = self.state, self.drafting
+    def start_state(self) -> DraftState:
+        """Another drafting state for this request (a streamed run's second line); KVPoolFull when
+        the drafter has no room for it."""
+        return self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
+                                  proposal_room(self.opened.max_proposal))
+
+    def propose(self, tokens: list[int], k: int, state: DraftState | None = None) -> asyncio.Future:
+        """The drafter's proposal of up to k tokens after `tokens` (from `state`, by default the
+        request's), and the seconds it took, as a future."""
+        state, drafting = state or self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
             done = asyncio.get_running_loop().create_future()
@@ -282,5 +290,6 @@ class Speculation:
             self.streaming.cancel()
         if self.pending is not None and not self.pending.done():
             self.pending.cancel()            # its result is not needed; close runs after it
-        if self.state is not None:
-            await self.drafting.inference.run(self.state.close)
+        for state in [self.state, *(self.streaming.states() if self.streaming is not None else [])]:
+            if state is not None:
+                await self.drafting.inference.run(state.close)

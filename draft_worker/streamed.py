@@ -11,16 +11,29 @@ a verify worker with nothing to verify decodes plainly until a piece comes. The 
 task takes each verdict: the committed tokens go to the gateway, and the run keeps what a verdict
 leaves standing (tandem/speculation/stream.py), the same rule the verify worker keeps. Greedy
 requests only: a sampled draft must take its random numbers in an order that no timing changes.
+
+Prepared continuations (the SSD idea: prepare for the verdicts most likely to void the run). A
+verdict that goes another way than the run leaves the target with nothing to verify until the
+draft has drafted again. So a model drafter also drafts, in the same batched steps as the run (a
+row each, nearly free beside the run's own), up to BRANCHES branches: each after the draft's
+second choice at one of the run's positions where that choice is likeliest to be the target's
+(the draft's probability of reaching the position times its probability of the second choice),
+up to a proposal's worth. When a verdict takes a branch's second choice, that branch becomes the
+run and goes out at once; its drafting state (a cache of its own) becomes the run's, and the old
+run's is spare, lending the next branch its prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from draft_worker.drafters import Drafter
+from draft_worker.drafters import Draft, Drafter, DraftState
+from tandem.engine.kvpool import KVPoolFull
 from tandem.service import metrics, telemetry
+from tandem.speculation.drafting import Drawn
 from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.stream import after_verdict
 from tandem.v1 import internal_pb2 as pb
@@ -33,27 +46,50 @@ class Speculation(Protocol):
     params: SamplingParams
     opened: pb.Opened
     drafter: Drafter
+    state: DraftState             # the run's drafting state
     call: object                  # the verify stream
 
     async def read(self) -> pb.VerifyResponse: ...
-    def propose(self, tokens: list[int], k: int) -> asyncio.Future: ...
+    def propose(self, tokens: list[int], k: int, state: DraftState | None = None) -> asyncio.Future: ...
+    def start_state(self) -> DraftState: ...
     def chunk(self, verdict: pb.Verdict, drafted: int, accepted: int) -> pb.TokenChunk: ...
 
 
 AHEAD = 2      # proposals' worth of tokens the run may hold
+BRANCHES = 2   # continuations prepared at once: each adds a row to the draft's steps
+BRANCH_AT_LEAST = 0.05   # a continuation is prepared only where the draft thinks it this likely to be used
+
+
+@dataclass
+class Branch:
+    """A continuation prepared for the verdict that gives the token at index `at` of the sequence
+    as `alt` (the draft's second choice there) instead of the run's, drafted by its own state."""
+    at: int
+    alt: int
+    state: DraftState
+    run: list[int] = field(default_factory=list)      # drafted after alt
+    drawn: list[Drawn] = field(default_factory=list)
+    done: bool = False                                # the drafter has nothing more for it
 
 
 class Streaming:
-    def __init__(self, spec: Speculation) -> None:
-        self.spec = spec
+    def __init__(self, spec: Speculation, eos_ids: list[int], prepare: bool = True) -> None:
+        self.spec, self.eos_ids, self.prepare = spec, eos_ids, prepare
         self.run: list[int] = []          # sent, not yet judged
-        self.fork = 0                     # verdicts that voided the run: a step drafted before one is stale
+        self.drawn: list[Drawn | None] = []   # per run token, how the draft chose it (None: not by a model)
+        self.branches: list[Branch] = []
+        self.spares: list[DraftState] = []    # drafting states no line uses now
         self.paused_at = -1               # nothing more to send until a verdict after this many
         self.marked = -1                  # the verdict count when the last pause was sent
         self.failed: BaseException | None = None
         self.verdicts = 0
         self._wake = asyncio.Event()
+        self._writing = asyncio.Lock()    # pieces go out from both tasks, one write at a time
         self._task: asyncio.Task | None = None
+
+    def states(self) -> list[DraftState]:
+        """The drafting states besides the request's own, to close with it."""
+        return self.spares + [b.state for b in self.branches]
 
     async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
         spec = self.spec
@@ -68,29 +104,59 @@ class Streaming:
             committed = list(verdict.token_ids)
             kept = after_verdict(self.run, committed)
             forked = self.run[:len(committed)] != committed
+            prepared = self._judge_branches(len(spec.tokens), committed, forked)
             if forked:
-                self.fork += 1
                 metrics.STREAMED.labels("void").inc(max(0, len(self.run) - verdict.checked))
             with telemetry.span("speculation round") as span:     # the pass's verdict, as it arrived
                 if span is not None:
                     span.set_attributes(telemetry.round_attributes(
                         verdict.checked, verdict.accepted, committed, verdict.batch_size, verdict.verify_seconds))
                     span.set_attributes({"tandem.spec.streamed_run": len(self.run),
-                                         "tandem.spec.run_kept": len(kept), "tandem.spec.forked": forked})
-            self.run = kept
+                                         "tandem.spec.run_kept": len(kept), "tandem.spec.forked": forked,
+                                         "tandem.spec.prepared": prepared is not None})
+            self.run, self.drawn = kept, self.drawn[len(committed):] if not forked else []
             self.verdicts += 1
             spec.tokens.extend(committed)
+            if prepared is not None and not verdict.stop_reason:
+                self.run, self.drawn = prepared.run, prepared.drawn
+                self.spares.append(spec.state)
+                spec.state = prepared.state
+                if prepared.run:
+                    await self._send(prepared.run, len(spec.tokens), committed[-1])
+            elif prepared is not None:
+                self.spares.append(prepared.state)
             self._wake.set()
             yield spec.chunk(verdict, verdict.checked, verdict.accepted)
             if verdict.stop_reason:
                 return
 
-    def _room(self) -> int:
-        """Tokens the run may still take: two proposals' worth (the verify worker takes one a pass,
-        so the next one is on its way while it verifies), and never past what the request may
-        still produce (each verdict adds one token of the target's own) or the context window."""
+    def _judge_branches(self, base: int, committed: list[int], forked: bool) -> Branch | None:
+        """What a verdict committing `committed` after the first `base` tokens makes of the branches:
+        returns the one whose second choice the verdict took (it ends there: a fork is always the
+        target's own last token), taken out. A branch stays while the verdict did not reach it and
+        left the run standing; any other is gone, its state spare."""
+        hit, n = None, len(committed)
+        for b in self.branches:
+            if not forked and b.at >= base + n:
+                continue
+            if forked and b.at == base + n - 1:
+                outcome = "hit" if committed[-1] == b.alt else "miss"
+            else:
+                outcome = "unused"
+            metrics.PREPARED.labels(outcome).inc()
+            if outcome == "hit":
+                hit = b
+            else:
+                self.spares.append(b.state)
+        self.branches = [b for b in self.branches if not forked and b.at >= base + n]
+        return hit
+
+    def _room(self, known: int) -> int:
+        """Tokens a line of `known` tokens may still take: two proposals' worth (the verify worker
+        takes one a pass, so the next one is on its way while it verifies), and never past what the
+        request may still produce (each verdict adds one token of the target's own) or the context
+        window."""
         spec = self.spec
-        known = len(spec.tokens) + len(self.run)
         left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1,
                    spec.opened.max_context - known - 1)
         return max(0, min(AHEAD * spec.opened.max_proposal - len(self.run), left))
@@ -99,27 +165,79 @@ class Streaming:
         spec = self.spec
         try:
             while True:
-                seen, room = self.verdicts, self._room()
-                if self.paused_at == seen or room <= 0:
-                    if self.marked != seen:      # the verify worker stops waiting for more
-                        self.marked = seen
-                        await self._send([], 0, 0)
+                seen = self.verdicts
+                context = spec.tokens + self.run
+                room = self._room(len(context)) if self.paused_at != seen else 0
+                growing = [b for b in self.branches if self._grows(b)]
+                if room <= 0 and self.marked != seen:     # the verify worker stops waiting for more
+                    self.marked = seen
+                    await self._send([], 0, 0)
+                if room <= 0 and not growing:
                     await self._next_verdict(seen)
                     continue
-                fork, context = self.fork, spec.tokens + self.run
-                draft, _ = await spec.propose(context, 1 if spec.drafter.uses_model else room)
-                if fork != self.fork:
-                    continue                     # a verdict went another way while this was drafted
-                if draft.tokens:
-                    self.run += draft.tokens     # before the send: its verdict may come back at once
-                    await self._send(draft.tokens, len(context), context[-1])
-                else:
+                jobs = [spec.propose(context, 1 if spec.drafter.uses_model else room)] if room > 0 else []
+                forks = [context[:b.at] + [b.alt] + b.run for b in growing]
+                jobs += [spec.propose(fork, 1, b.state) for fork, b in zip(forks, growing)]
+                drafts = [d for d, _ in await asyncio.gather(*jobs)]
+                if room > 0 and not await self._extend(context, drafts[0]) and not drafts[0].tokens:
                     self.paused_at = seen        # unless a verdict came meanwhile: then draft on
+                for b, fork, draft in zip(growing, forks, drafts[-len(growing):] if growing else []):
+                    if b not in self.branches:   # judged meanwhile: adopted as the run, or gone
+                        await self._extend(fork, draft)
+                    elif draft.tokens:
+                        b.run += draft.tokens
+                        b.drawn += draft.drawn
+                    else:
+                        b.done = True
+                self._prepare()
         except asyncio.CancelledError:
             raise
         except BaseException as e:               # the reading task raises it
             self.failed = e
             spec.call.cancel()
+
+    async def _extend(self, context: list[int], draft: Draft) -> bool:
+        """Adds a draft made after `context` to the run and sends it, when the run still ends
+        there (a verdict may have changed it meanwhile, or adopted the line it was drafted on)."""
+        spec = self.spec
+        if not draft.tokens or spec.tokens + self.run != context:
+            return False
+        self.run += draft.tokens                 # before the send: its verdict may come back at once
+        self.drawn += draft.drawn if draft.drawn is not None else [None] * len(draft.tokens)
+        await self._send(draft.tokens, len(context), context[-1])
+        return True
+
+    def _grows(self, b: Branch) -> bool:
+        """Whether a branch takes another step: up to a proposal's worth, not past an end of sequence."""
+        spec = self.spec
+        if b.done or b.run[-1:] and b.run[-1] in self.eos_ids:
+            return False
+        known = b.at + 1 + len(b.run)
+        left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1, spec.opened.max_context - known - 1)
+        return min(spec.opened.max_proposal - len(b.run), left) > 0
+
+    def _prepare(self) -> None:
+        """Opens branches up to BRANCHES: at the run's positions whose second choice the draft thinks
+        likeliest to be the target's token there (its probability of reaching the position times
+        its probability of the second choice), where likely enough."""
+        if len(self.branches) >= BRANCHES or not (self.prepare and self.spec.drafter.uses_model):
+            return
+        taken, base, reach, value = {b.at for b in self.branches}, len(self.spec.tokens), 1.0, []
+        for i, d in enumerate(self.drawn):
+            if d is None:
+                return
+            if d.alt >= 0 and base + i not in taken:
+                value.append((reach * d.alt_prob, i))
+            reach *= d.prob
+        for v, i in sorted(value, reverse=True)[:BRANCHES - len(self.branches)]:
+            if v < BRANCH_AT_LEAST:
+                return
+            if not self.spares:
+                try:
+                    self.spares.append(self.spec.start_state())
+                except KVPoolFull:
+                    return                       # no room for another line: fewer branches
+            self.branches.append(Branch(base + i, self.drawn[i].alt, self.spares.pop()))
 
     async def _next_verdict(self, seen: int) -> None:
         """Returns once a verdict after the first `seen` has been taken in."""
@@ -129,8 +247,9 @@ class Streaming:
 
     async def _send(self, tokens: list[int], start: int, after: int) -> None:
         metrics.STREAMED.labels("sent").inc(len(tokens))
-        await self.spec.call.write(pb.VerifyRequest(proposal=pb.Proposal(token_ids=tokens, start=start,
-                                                                         after=after)))
+        async with self._writing:
+            await self.spec.call.write(pb.VerifyRequest(proposal=pb.Proposal(token_ids=tokens, start=start,
+                                                                             after=after)))
 
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():

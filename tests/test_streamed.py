@@ -9,8 +9,12 @@ import grpc
 import pytest
 import torch
 
+from draft_worker.drafters import Draft
+from draft_worker.streamed import Streaming
 from tandem.client import build_request
 from tandem.service import metrics
+from tandem.speculation.drafting import Drawn
+from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.stream import after_verdict, place
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.v1 import internal_pb2 as ipb
@@ -84,6 +88,145 @@ async def test_under_load_a_pass_takes_only_the_positions_worth_their_price():
         run.judged([2, 3], 1, 1)                                    # target's next agrees with the run's
         run.tokens, run.run = [1], [2, 3, 4, 5, 6]
     assert len(await run.next()) > 1                                # so the cut grows back
+
+
+@pytest.mark.unit
+async def test_alone_a_pass_waits_briefly_for_a_short_run_and_cuts_a_long_one():
+    def curve(n):                                                   # flat to 6 positions, then dearer
+        return 0.3 if n <= 6 else 0.3 + 0.1 * (n - 6)
+    run = StreamedRun(_Session([1]), max_proposal=8, pass_seconds=curve)
+    for _ in range(30):
+        run.survival.add(8, 8)                                      # runs accepted whole, often
+    run.gap = 0.01                                                  # the draft sends a token every 10 ms
+    run.add(ipb.Proposal(token_ids=[2], start=1, after=1))
+    waiting = asyncio.ensure_future(run.next())
+    await asyncio.sleep(0.005)
+    assert not waiting.done()                                       # 4 more come for 40 ms: worth it
+    run.add(ipb.Proposal(token_ids=[3, 4, 5, 6, 7, 8, 9], start=2, after=2))
+    assert await waiting == [2, 3, 4, 5, 6]                         # 6 positions cost what 2 do
+    assert await run.next() == [2, 3, 4, 5, 6]                      # and no more: the 7th costs more than it gives
+    run.judged([2, 3, 4, 5, 6, 7], 5, 5)
+    run.add(ipb.Proposal(start=0))                                  # paused: nothing more is coming
+    assert await asyncio.wait_for(run.next(), 0.1) == [8, 9]
+    shared = StreamedRun(_Session([1]), max_proposal=8, pass_seconds=curve, price=lambda: 0.5)
+    shared.gap = 0.01
+    shared.add(ipb.Proposal(token_ids=[2], start=1, after=1))
+    assert await asyncio.wait_for(shared.next(), 0.1) == [2]        # sharing passes: no waiting
+
+
+class _Scripted:
+    """A request's speculation as the draft side's streaming sees it, with a drafter that follows a
+    rule (each token the last + 1, second choice the last + 50, q 0.6 and 0.3) and verdicts given
+    by the test, every message written kept."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens, self.prompt = list(prompt), list(prompt)
+        self.params = SamplingParams(max_new_tokens=64)
+        self.opened = ipb.Opened(max_proposal=4, max_context=512)
+        self.drafter = type("D", (), {"uses_model": True, "name": "model"})()
+        self.state, self.verdicts, self.written = "first", asyncio.Queue(), []
+        self.call = self
+        self.started = 0
+
+    async def write(self, request: ipb.VerifyRequest) -> None:
+        self.written.append(request.proposal)
+
+    def cancel(self) -> None:
+        pass
+
+    async def read(self) -> ipb.VerifyResponse:
+        return ipb.VerifyResponse(verdict=await self.verdicts.get())
+
+    def propose(self, tokens: list[int], k: int, state=None) -> asyncio.Future:
+        async def one():
+            await asyncio.sleep(0.001)
+            last = tokens[-1]
+            return Draft([last + 1], drawn=[Drawn(last + 1, 0.6, last + 50, 0.3)]), 0.0
+        return asyncio.ensure_future(one())
+
+    def start_state(self):
+        self.started += 1
+        return f"line-{self.started}"
+
+    def chunk(self, verdict, drafted, accepted):
+        return verdict.token_ids
+
+
+def prepared(outcome: str) -> float:
+    return metrics.PREPARED.labels(outcome)._value.get()
+
+
+async def _drafted(streaming: Streaming, run: int, branch: int = 0) -> None:
+    """Until the run holds `run` tokens and, with `branch`, two branches that many each."""
+    async def until():
+        while len(streaming.run) < run or branch and (
+                len(streaming.branches) < 2 or min(len(b.run) for b in streaming.branches) < branch):
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(until(), 5)
+
+
+def _streaming(prepare: bool = True):
+    """A streaming draft side on a scripted speculation, its first chunk awaited."""
+    spec = _Scripted([1, 2, 3])
+    streaming = Streaming(spec, eos_ids=[0], prepare=prepare)
+    chunks = streaming.chunks()
+    return spec, streaming, chunks, asyncio.ensure_future(chunks.__anext__())
+
+
+async def _judged(spec: _Scripted, streaming: Streaming, awaiting, token_ids: list[int], accepted: int):
+    """Stops drafting (what follows is the verdict's) and has a verdict taken in; its chunk."""
+    streaming.cancel()
+    spec.verdicts.put_nowait(ipb.Verdict(token_ids=token_ids, checked=max(1, accepted), accepted=accepted))
+    return await awaiting
+
+
+@pytest.mark.unit
+async def test_a_verdict_that_takes_the_drafts_second_choice_gets_its_prepared_continuation_at_once():
+    spec, streaming, _, first = _streaming()
+    await _drafted(streaming, 4, 4)
+    # where the draft's reach times q(second choice) is most: 0.3 at index 3, 0.6 x 0.3 at index 4
+    assert [(b.at, b.alt, b.run[:4]) for b in streaming.branches] == [(3, 53, [54, 55, 56, 57]),
+                                                                        (4, 54, [55, 56, 57, 58])]
+    assert [list(p.token_ids) for p in spec.written[:4]] == [[4], [5], [6], [7]]
+    hits, unused, n = prepared("hit"), prepared("unused"), len(spec.written)
+    line = streaming.branches[0].state
+    assert list(await _judged(spec, streaming, first, [53], 0)) == [53]
+    assert prepared("hit") == hits + 1 and prepared("unused") == unused + 1   # the other was after the fork
+    piece = spec.written[n]                                         # written before the chunk went on
+    assert (list(piece.token_ids[:4]), piece.start, piece.after) == ([54, 55, 56, 57], 4, 53)
+    assert place([1, 2, 3, 53], [], piece.start, piece.after, list(piece.token_ids)) == list(piece.token_ids)
+    assert streaming.run == list(piece.token_ids) and spec.state == line and "first" in streaming.spares
+    assert streaming.branches == []
+
+
+@pytest.mark.unit
+async def test_a_verdict_that_takes_another_token_gets_no_prepared_continuation():
+    spec, streaming, _, first = _streaming()
+    await _drafted(streaming, 4, 2)
+    misses, n = prepared("miss"), len(spec.written)
+    await _judged(spec, streaming, first, [99], 0)
+    assert prepared("miss") == misses + 1 and len(spec.written) == n and streaming.run == []
+    assert spec.state == "first" and streaming.branches == [] and len(streaming.spares) == 2
+
+
+@pytest.mark.unit
+async def test_a_branch_stays_until_a_verdict_reaches_it_and_goes_when_one_passes_it():
+    spec, streaming, chunks, first = _streaming()
+    await _drafted(streaming, 4, 1)
+    unused = prepared("unused")
+    await _judged(spec, streaming, first, [4], 1)                   # the run's token at 3
+    assert [b.at for b in streaming.branches] == [4] and prepared("unused") == unused + 1
+    await _judged(spec, streaming, chunks.__anext__(), [5, 6, 7], 3)   # through 4
+    assert streaming.branches == [] and prepared("unused") == unused + 2
+
+
+@pytest.mark.unit
+async def test_without_prepare_no_branch_is_drafted():
+    spec, streaming, _, first = _streaming(prepare=False)
+    await _drafted(streaming, 4)
+    assert streaming.branches == [] and spec.started == 0
+    streaming.cancel()
+    first.cancel()
 
 
 # ---- the service (in process, real gRPC) ----

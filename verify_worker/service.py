@@ -195,7 +195,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         if not session.params.greedy:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "stream needs a greedy session: sampled proposals carry their distributions")
-        run = StreamedRun(session, self.engine.max_proposal, lambda: self.price.for_batch(len(self.sessions)))
+        run = StreamedRun(session, self.engine.max_proposal, lambda: self.price.for_batch(len(self.sessions)),
+                          self.engine.model.pass_seconds if self.engine.model.forward_ms else None)
         reader = asyncio.create_task(read_pieces(requests, run))
         try:
             while (tokens := await run.next()) is not None:

@@ -1,6 +1,6 @@
 """A streamed session on the verify worker (OpenSession.stream): the draft worker's pieces gather in
 a run while passes go on, and each pass verifies whatever part of the run has arrived, so that the
-target never waits for a proposal to be complete. It waits only when nothing has arrived and the
+target never waits for a proposal to be complete. It waits when nothing has arrived and the
 draft has not said it has nothing (then it decodes plainly).
 
 A pass takes at most a proposal's worth, and under load only the positions worth their price: those
@@ -8,7 +8,14 @@ this session's runs were accepted through more often than the price one position
 sessions of the pass pay (tandem/speculation/survival.py, verify_worker/price.py), and at least one.
 
 Taking whatever has arrived beat awaiting a new chain whole, until the draft paused or a proposal's
-worth had come (docs/benchmarks.md, "Choosing the streaming rules")."""
+worth had come (docs/benchmarks.md, "Choosing the streaming rules"). When the worker is alone with
+the session (no price), the pass takes the length that gives the most expected tokens per second:
+this session's acceptance by position against the pass's calibrated cost by length, counting for
+tokens not yet arrived the time the draft takes to send them (measured between its pieces). So a
+short run (right after a verdict voided the one before) is waited on briefly, since a pass costs
+nearly the same for a few more positions (on some CPUs a short one is padded to a longer length
+anyway), never past twice the expected time and not at all once the draft has paused; and a long
+one is cut where its last positions would cost more than they are likely to give."""
 
 from __future__ import annotations
 
@@ -22,8 +29,10 @@ from verify_worker.engine import TargetSession
 
 
 class StreamedRun:
-    def __init__(self, session: TargetSession, max_proposal: int, price: Callable[[], float] = lambda: 0.0) -> None:
-        self.max_proposal, self.price = max_proposal, price
+    def __init__(self, session: TargetSession, max_proposal: int, price: Callable[[], float] = lambda: 0.0,
+                 pass_seconds: Callable[[int], float] | None = None) -> None:
+        """pass_seconds(n): a pass of n new tokens alone, as calibrated (None: not known, never wait)."""
+        self.max_proposal, self.price, self.pass_seconds = max_proposal, price, pass_seconds
         self.survival = Survival()      # this session's acceptance by position
         # The session's tokens as of the last verdict, kept here: a pass commits to the session's
         # own list on the inference thread before its verdict is taken in here.
@@ -32,17 +41,25 @@ class StreamedRun:
         self.plain = False              # the draft has nothing: decode plainly until a piece comes
         self.ended = False              # the draft worker's side of the stream is over
         self.error: str | None = None   # what was wrong with a message it sent
+        self.paused = False             # the draft sends nothing more until the next verdict
+        self.gap = 0.0                  # seconds per token between the draft's pieces, a moving average
+        self._last_piece: float | None = None
         self._changed = asyncio.Event()
 
     def add(self, proposal: pb.Proposal) -> None:
         """Takes one message: a piece (dropped when it does not continue the known tokens), or a
         pause (no tokens: the draft has nothing until the next verdict; with no run, plain steps)."""
+        now = asyncio.get_running_loop().time()
         if not proposal.token_ids:
-            self.plain = not self.run
+            self.plain, self.paused, self._last_piece = not self.run, True, None
         else:
             run = place(self.tokens, self.run, proposal.start, proposal.after, list(proposal.token_ids))
             if run is not None:
-                self.run, self.plain = run, False
+                self.run, self.plain, self.paused = run, False, False
+            if self._last_piece is not None:
+                gap = (now - self._last_piece) / len(proposal.token_ids)
+                self.gap = gap if not self.gap else 0.8 * self.gap + 0.2 * gap
+            self._last_piece = now
         self._changed.set()
 
     def end(self, error: str | None = None) -> None:
@@ -58,7 +75,35 @@ class StreamedRun:
         if self.error is not None or (self.ended and not (self.run or self.plain)):
             return None
         n = min(len(self.run), self.max_proposal)
+        if n and self.pass_seconds is not None and self.price() <= 0:
+            want = self.best_length(n)
+            if want > n:
+                await self._fill(want)
+            n = min(len(self.run), want)
         return self.run[:max(1, self.survival.worth(n, self.price())) if n else 0]
+
+    async def _fill(self, want: int) -> None:
+        """Waits, at most twice the draft's time for them, until the run holds `want` tokens."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.gap * (want - len(self.run))
+        while len(self.run) < want and not (self.paused or self.ended) and (left := deadline - loop.time()) > 0:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return
+
+    def best_length(self, n: int) -> int:
+        """The pass length (of the n tokens arrived, or more while the draft is sending) that gives
+        the most expected tokens per second: each position as often as this session's runs were
+        accepted through it, plus the target's own token, over the wait for any missing ones and
+        the pass (fed with the last verdict's token too)."""
+        reach = self.survival.reach(self.max_proposal)
+        top = self.max_proposal if self.gap and not self.paused else n
+
+        def rate(m: int) -> float:
+            return (1 + sum(reach[:m])) / (max(0, m - n) * self.gap + self.pass_seconds(m + 1))
+        return max(range(1, top + 1), key=rate)
 
     def judged(self, committed: list[int], checked: int, accepted: int) -> None:
         """After a pass that judged `checked` tokens of the run and accepted `accepted`. When all were

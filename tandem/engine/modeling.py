@@ -176,6 +176,11 @@ class CausalLM:
         log.info("forward ms by new tokens: %s; padded: %s",
                  {n: round(1000 * t, 1) for n, t in times.items()}, self.padded_length or "none")
 
+    def pass_seconds(self, n: int) -> float:
+        """One forward pass of n new tokens alone, as calibrated (padded as it would be); beyond the
+        lengths measured, the longest one's. Needs `calibrate` first."""
+        return self.forward_ms[min(n, len(self.forward_ms)) - 1] / 1000
+
     def calibrate_passes(self, max_sessions: int, context: int = 64, repeats: int = 3,
                          budget_s: float = 6.0) -> None:
         """Measures a batched pass of S sessions feeding one token each, S = 1, 2, 4, ... up to

@@ -29,6 +29,8 @@ MAX_DRAFT_SUPPORT = 1024
 class Drawn:
     token: int
     prob: float          # q(token): 1.0 under greedy unless asked for (RowDrafter's want_prob)
+    alt: int = -1        # greedy, asked for: the row's second choice (-1: none) and its probability,
+    alt_prob: float = 0.0  # where a prepared continuation would branch (draft_worker/streamed.py)
 
 
 class RowDrafter:
@@ -58,19 +60,26 @@ class RowDrafter:
             token = int(row.argmax())
             if row[token] == float("-inf"):          # every token masked: nothing to draw
                 return None
-            prob = float(torch.softmax(row.float(), -1)[token]) if self.want_prob else 1.0
+            prob, alt, alt_prob = 1.0, -1, 0.0
+            if self.want_prob:
+                probs = torch.softmax(row.float(), -1)
+                top = torch.topk(probs, 2)
+                second = 1 if int(top.indices[0]) == token else 0      # a tie may order them either way
+                prob, alt, alt_prob = float(probs[token]), int(top.indices[second]), float(top.values[second])
+                if alt_prob <= 0.0:
+                    alt = -1
         else:
             try:                                     # SamplingError: every token masked
                 ids, probs = truncate(probabilities(row[None], self.params)[0])
             except SamplingError:
                 return None
             pick = int(torch.multinomial(probs, 1, generator=self.generator))
-            token, prob = int(ids[pick]), float(probs[pick])
+            token, prob, alt, alt_prob = int(ids[pick]), float(probs[pick]), -1, 0.0
             self.support.append((ids, probs))
         self.tokens.append(token)
         if self.grammar is not None:
             self._advanced += self.grammar.advance([token])
-        return Drawn(token, prob)
+        return Drawn(token, prob, alt, alt_prob)
 
     def finish(self) -> None:
         if self.grammar is not None:
