@@ -10,6 +10,7 @@ import grpc
 
 from draft_worker.drafters import Drafter
 from draft_worker.speculation import JUMP_FORWARD, Drafting, Speculation, VerifyClosed
+from draft_worker.streamed import BranchRows
 from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
@@ -32,7 +33,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         link_timeout: how long a request waits for a connection to its verify worker."""
         self.drafters = drafters
         self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size, grammars,
-                                 compile_timeout, jump_forward, prepare)
+                                 compile_timeout, jump_forward, BranchRows() if prepare else None)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.routes = routes or {}
         self.link_timeout = link_timeout

@@ -17,7 +17,7 @@ import torch
 
 from draft_worker.controller import SpeculationController, controller_for, plain_instead
 from draft_worker.drafters import Draft, Drafter, DraftState
-from draft_worker.streamed import Streaming
+from draft_worker.streamed import BranchRows, Streaming
 from tandem.engine.batcher import Batcher
 from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
@@ -51,7 +51,7 @@ class Drafting:
     grammars: Grammars | None = None   # guides compiled for the draft model's vocabulary (None: no model)
     compile_timeout: float = 10.0
     jump_forward: bool = True     # propose the tokens a guide forces before the drafted ones
-    prepare: bool = True          # streamed: prepare the continuation after the draft's second choice
+    branch_rows: BranchRows | None = None   # streamed: rows to prepare continuations with (None: none)
 
 
 class VerifyClosed(Exception):
@@ -89,7 +89,7 @@ class Speculation:
         self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
                                         proposal_room(opened.max_proposal), self.grammar)
         if stream:
-            self.streaming = Streaming(self, self.drafting.eos_ids, self.drafting.prepare)
+            self.streaming = Streaming(self, self.drafting.eos_ids, self.drafting.branch_rows)
             return opened
         # Greedy only: a sampled request's output must not depend on measured timings, so that its
         # seed reproduces it on any worker.
@@ -290,6 +290,6 @@ class Speculation:
             self.streaming.cancel()
         if self.pending is not None and not self.pending.done():
             self.pending.cancel()            # its result is not needed; close runs after it
-        for state in [self.state, *(self.streaming.states() if self.streaming is not None else [])]:
+        for state in [self.state, *(self.streaming.release() if self.streaming is not None else [])]:
             if state is not None:
                 await self.drafting.inference.run(state.close)

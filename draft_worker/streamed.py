@@ -15,7 +15,8 @@ requests only: a sampled draft must take its random numbers in an order that no 
 Prepared continuations (the SSD idea: prepare for the verdicts most likely to void the run). A
 verdict that goes another way than the run leaves the target with nothing to verify until the
 draft has drafted again. So a model drafter also drafts, in the same batched steps as the run (a
-row each, nearly free beside the run's own), up to BRANCHES branches: each after the draft's
+row each, nearly free beside the run's own), up to BRANCHES branches (all the worker's sessions
+together: under load every row slows every session's step): each after the draft's
 second choice at one of the run's positions where that choice is likeliest to be the target's
 (the draft's probability of reaching the position times its probability of the second choice),
 up to a proposal's worth. When a verdict takes a branch's second choice, that branch becomes the
@@ -56,8 +57,26 @@ class Speculation(Protocol):
 
 
 AHEAD = 2      # proposals' worth of tokens the run may hold
-BRANCHES = 2   # continuations prepared at once: each adds a row to the draft's steps
+BRANCHES = 2   # continuations prepared at once, per draft worker: each adds a row to its steps
 BRANCH_AT_LEAST = 0.05   # a continuation is prepared only where the draft thinks it this likely to be used
+
+
+class BranchRows:
+    """The branch rows a draft worker's steps may carry, all its streamed sessions together: a row
+    is nearly free beside a lone session's own, but under load every row slows every session's
+    step. The sessions that ask first get them."""
+
+    def __init__(self, rows: int = BRANCHES) -> None:
+        self.free = rows
+
+    def take(self) -> bool:
+        if self.free <= 0:
+            return False
+        self.free -= 1
+        return True
+
+    def give(self) -> None:
+        self.free += 1
 
 
 @dataclass
@@ -73,8 +92,9 @@ class Branch:
 
 
 class Streaming:
-    def __init__(self, spec: Speculation, eos_ids: list[int], prepare: bool = True) -> None:
-        self.spec, self.eos_ids, self.prepare = spec, eos_ids, prepare
+    def __init__(self, spec: Speculation, eos_ids: list[int], rows: BranchRows | None = None) -> None:
+        """rows: the worker's branch rows to prepare continuations with (None: none)."""
+        self.spec, self.eos_ids, self.rows = spec, eos_ids, rows
         self.run: list[int] = []          # sent, not yet judged
         self.drawn: list[Drawn | None] = []   # per run token, how the draft chose it (None: not by a model)
         self.branches: list[Branch] = []
@@ -87,9 +107,14 @@ class Streaming:
         self._writing = asyncio.Lock()    # pieces go out from both tasks, one write at a time
         self._task: asyncio.Task | None = None
 
-    def states(self) -> list[DraftState]:
-        """The drafting states besides the request's own, to close with it."""
-        return self.spares + [b.state for b in self.branches]
+    def release(self) -> list[DraftState]:
+        """Ends the branches, their rows given back: the drafting states besides the request's own,
+        to close with it."""
+        states = self.spares + [b.state for b in self.branches]
+        for _ in self.branches:
+            self.rows.give()
+        self.spares, self.branches = [], []
+        return states
 
     async def chunks(self) -> AsyncIterator[pb.TokenChunk]:
         spec = self.spec
@@ -144,6 +169,7 @@ class Streaming:
             else:
                 outcome = "unused"
             metrics.PREPARED.labels(outcome).inc()
+            self.rows.give()
             if outcome == "hit":
                 hit = b
             else:
@@ -217,10 +243,10 @@ class Streaming:
         return min(spec.opened.max_proposal - len(b.run), left) > 0
 
     def _prepare(self) -> None:
-        """Opens branches up to BRANCHES: at the run's positions whose second choice the draft thinks
-        likeliest to be the target's token there (its probability of reaching the position times
-        its probability of the second choice), where likely enough."""
-        if len(self.branches) >= BRANCHES or not (self.prepare and self.spec.drafter.uses_model):
+        """Opens branches while the worker has rows for them: at the run's positions whose second
+        choice the draft thinks likeliest to be the target's token there (its probability of
+        reaching the position times its probability of the second choice), where likely enough."""
+        if self.rows is None or not self.rows.free or not self.spec.drafter.uses_model:
             return
         taken, base, reach, value = {b.at for b in self.branches}, len(self.spec.tokens), 1.0, []
         for i, d in enumerate(self.drawn):
@@ -229,13 +255,14 @@ class Streaming:
             if d.alt >= 0 and base + i not in taken:
                 value.append((reach * d.alt_prob, i))
             reach *= d.prob
-        for v, i in sorted(value, reverse=True)[:BRANCHES - len(self.branches)]:
-            if v < BRANCH_AT_LEAST:
+        for v, i in sorted(value, reverse=True):
+            if v < BRANCH_AT_LEAST or not self.rows.take():
                 return
             if not self.spares:
                 try:
                     self.spares.append(self.spec.start_state())
                 except KVPoolFull:
+                    self.rows.give()
                     return                       # no room for another line: fewer branches
             self.branches.append(Branch(base + i, self.drawn[i].alt, self.spares.pop()))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draft_worker.drafters import Draft
-from draft_worker.streamed import Streaming
+from draft_worker.streamed import BranchRows, Streaming
 from tandem.client import build_request
 from tandem.service import metrics
 from tandem.speculation.drafting import Drawn
@@ -165,10 +165,11 @@ async def _drafted(streaming: Streaming, run: int, branch: int = 0) -> None:
     await asyncio.wait_for(until(), 5)
 
 
-def _streaming(prepare: bool = True):
-    """A streaming draft side on a scripted speculation, its first chunk awaited."""
+def _streaming(rows: BranchRows | None = None, prepare: bool = True):
+    """A streaming draft side on a scripted speculation (its own two branch rows unless given;
+    none without prepare), its first chunk awaited."""
     spec = _Scripted([1, 2, 3])
-    streaming = Streaming(spec, eos_ids=[0], prepare=prepare)
+    streaming = Streaming(spec, eos_ids=[0], rows=(rows or BranchRows(2)) if prepare else None)
     chunks = streaming.chunks()
     return spec, streaming, chunks, asyncio.ensure_future(chunks.__anext__())
 
@@ -221,12 +222,23 @@ async def test_a_branch_stays_until_a_verdict_reaches_it_and_goes_when_one_passe
 
 
 @pytest.mark.unit
-async def test_without_prepare_no_branch_is_drafted():
-    spec, streaming, _, first = _streaming(prepare=False)
-    await _drafted(streaming, 4)
-    assert streaming.branches == [] and spec.started == 0
-    streaming.cancel()
-    first.cancel()
+async def test_branches_take_the_workers_rows_first_come_and_give_them_back():
+    rows = BranchRows(2)
+    spec, streaming, _, first = _streaming(rows)
+    await _drafted(streaming, 4, 1)
+    other, later, _, second = _streaming(rows)
+    await _drafted(later, 4)
+    assert len(streaming.branches) == 2 and later.branches == [] and rows.free == 0
+    later.cancel()
+    await _judged(spec, streaming, first, [99], 0)                  # both of the first's branches end
+    assert rows.free == 2
+    assert later.release() == [] and rows.free == 2
+    second.cancel()
+    none_spec, none, _, third = _streaming(prepare=False)           # --no-prepare
+    await _drafted(none, 4)
+    assert none.branches == [] and none_spec.started == 0
+    none.cancel()
+    third.cancel()
 
 
 # ---- the service (in process, real gRPC) ----
@@ -268,6 +280,20 @@ async def test_streamed_greedy_equals_the_target_alone(streaming, oracle, method
         assert r.usage.draft_method == method
     assert sent("sent") > before, "nothing was streamed"
     assert await wait_until_idle(streaming) == (0, 0)
+
+
+@pytest.mark.service
+async def test_prepared_continuations_are_taken_and_the_output_stays_the_targets(streaming, oracle):
+    """The tiny draft is the target with noise: where it forks from the target, the target's token
+    is often its second choice, so some verdicts take a prepared continuation."""
+    hits = prepared("hit")
+    stub = pb_grpc.GenerationServiceStub(streaming.channel)
+    for prompt in PROMPTS * 2:
+        r = await stub.Generate(build_request(prompt, max_new_tokens=64, method="model", k=8), timeout=60)
+        assert r.text == generate(oracle, prompt, 64)
+    assert prepared("hit") > hits, "no verdict took a prepared continuation"
+    assert await wait_until_idle(streaming) == (0, 0)
+    assert streaming.draft.drafting.branch_rows.free == 2, "a finished request kept its branch rows"
 
 
 @pytest.mark.service
