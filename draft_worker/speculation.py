@@ -80,7 +80,7 @@ class Speculation:
         stream = self.drafting.pipeline and self.params.greedy and self.params.guide is None
         await self.call.write(pb.VerifyRequest(open=pb.OpenSession(
             session_id=self.request.session_id, prompt_ids=self.prompt, sampling=self.request.sampling,
-            stream=stream)))
+            stream=stream, num_speculative_tokens=self.request.num_speculative_tokens)))
         opened = self.opened = (await self.read()).opened
         vocab = self.drafting.vocab_size
         if self.drafter.uses_model and vocab not in (None, opened.vocab_size):

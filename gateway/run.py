@@ -119,7 +119,7 @@ class RequestRun:
             address = route.verify
             call = ipb_grpc.VerifyServiceStub(channel(route.verify)).Decode(
                 ipb.DecodeRequest(session_id=self.turn.session_id, prompt_ids=prompt, sampling=sampling,
-                                  method=route.method if route.method != "none" else ""),
+                                  method=route.method if route.method != "none" else "", num_speculative_tokens=req.k),
                 timeout=timeout, metadata=logs.outgoing_metadata())
         else:
             address = route.draft

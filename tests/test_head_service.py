@@ -50,6 +50,18 @@ async def test_greedy_head_equals_the_target_alone(head_stack, tiny_pair, tiny_m
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_num_speculative_tokens_caps_the_heads_rounds(head_stack):
+    prompt = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n"      # the head's prompt lookup proposes far
+    free = await head_stack.tandem.Generate(request(prompt, max_new_tokens=48), timeout=60)
+    capped = request(prompt, max_new_tokens=48)
+    capped.speculation.num_speculative_tokens = 1
+    one = await head_stack.tandem.Generate(capped, timeout=60)
+    assert free.usage.draft_tokens > free.usage.verify_rounds        # some round proposed more than one
+    assert 0 < one.usage.draft_tokens <= one.usage.verify_rounds     # none does under the cap
+    assert one.text == free.text
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_head_rounds_are_counted_under_method_head(head_stack):
     from prometheus_client import REGISTRY
 

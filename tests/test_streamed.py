@@ -270,7 +270,7 @@ def sent(outcome: str) -> float:
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("method,k", [("model", 4), ("model", 16), ("ngram", 8)])
+@pytest.mark.parametrize("method,k", [("model", 1), ("model", 4), ("model", 16), ("ngram", 2), ("ngram", 8)])
 async def test_streamed_greedy_equals_the_target_alone(streaming, oracle, method, k):
     before = sent("sent")
     stub = pb_grpc.GenerationServiceStub(streaming.channel)
@@ -278,6 +278,7 @@ async def test_streamed_greedy_equals_the_target_alone(streaming, oracle, method
         r = await stub.Generate(build_request(prompt, max_new_tokens=NEW, method=method, k=k), timeout=60)
         assert r.text == generate(oracle, prompt, NEW)
         assert r.usage.draft_method == method
+        assert r.usage.draft_tokens <= k * r.usage.verify_rounds     # no pass takes more than the request's k
     assert sent("sent") > before, "nothing was streamed"
     assert await wait_until_idle(streaming) == (0, 0)
 

@@ -116,15 +116,15 @@ class HeadSpeculation:
         support = None if s.params.greedy else [(torch.tensor([t]), torch.tensor([1.0])) for t in follow]
         return HeadDraft(follow[:len(reach)], confidence, support, ngram=n)
 
-    def step(self, s: TargetSession, h: HeadSession, k: int | None = None, price: float = 0.0
+    def step(self, s: TargetSession, h: HeadSession, price: float = 0.0, cap: int = 0, k: int | None = None
              ) -> tuple[Step, list[int]]:
         """The round's step, and the tokens it proposes: the drafted block cut to the confident
-        part (or to `k` positions) and to the room left. A cut never looks at a position's own
+        part (or to `k` positions), to the request's cap and to the room left. A cut never looks at a position's own
         draw (the confidence of position j reads the tokens before it), so it keeps rejection
         sampling exact; the guide needs no cut, the block was drawn under its mask."""
         draft = h.proposal or HeadDraft([], [])
         room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
-                   self.engine.max_proposal)
+                   self.engine.max_proposal, cap or self.engine.max_proposal)
         if k is None:
             curve = self.engine.model.forward_ms if s.params.greedy else []
             k = choose_k(draft.confidence, curve, self.draft_ms)

@@ -30,9 +30,10 @@ class OwnDrafting(Protocol):
     def start(self, s: TargetSession, state) -> None:
         """After the prefill, on the inference thread: what the first round needs."""
 
-    def step(self, s: TargetSession, state, price: float = 0.0) -> tuple[Step, list[int]]:
+    def step(self, s: TargetSession, state, price: float = 0.0, cap: int = 0) -> tuple[Step, list[int]]:
         """The next round's step and the tokens it proposes; `price`: what one more position costs
-        the other sessions of the pass (verify_worker/price.py)."""
+        the other sessions of the pass (verify_worker/price.py); `cap`: the request's most tokens
+        a round proposes (num_speculative_tokens; 0: none)."""
 
     def propose_seconds(self) -> float | None:
         """What drafting a round takes, for the round's span (None: nothing is drafted)."""
@@ -56,7 +57,7 @@ class Plain:
     def start(self, s: TargetSession, state) -> None:
         pass
 
-    def step(self, s: TargetSession, state, price: float = 0.0) -> tuple[Step, list[int]]:
+    def step(self, s: TargetSession, state, price: float = 0.0, cap: int = 0) -> tuple[Step, list[int]]:
         judge = partial(self.engine.judge_fed, s, [], lambda: None)
         return Step(s.cache, self.engine.verify_input(s, []), None, judge, least=1, returns=True), []
 

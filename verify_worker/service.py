@@ -154,8 +154,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "open":
                     if session is not None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            "session already open on this stream")
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "session already open on this stream")
                     session, cached, prompt_reports = await self._open(
                         context, req.open.session_id, list(req.open.prompt_ids), req.open.sampling)
                     yield pb.VerifyResponse(opened=pb.Opened(
@@ -164,7 +163,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         forward_ms=self.engine.model.forward_ms,
                         token_cost=self.price.for_batch(len(self.sessions)), prompt_logprobs=prompt_reports))
                     if req.open.stream:
-                        async for response in self._streamed(context, session, request_iterator):
+                        async for response in self._streamed(context, session, request_iterator, req.open):
                             yield response
                         return
                 elif kind == "proposal":
@@ -189,13 +188,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         finally:
             self._close(context)
 
-    async def _streamed(self, context, session: TargetSession, requests):
+    async def _streamed(self, context, session: TargetSession, requests, opened: pb.OpenSession):
         """A streamed session's passes (OpenSession.stream): each verifies the part of the run that
         has arrived, and its verdict goes out before the next pass is queued."""
         if not session.params.greedy:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "stream needs a greedy session: sampled proposals carry their distributions")
-        run = StreamedRun(session, self.engine.max_proposal, lambda: self.price.for_batch(len(self.sessions)),
+        most = min(opened.num_speculative_tokens or self.engine.max_proposal, self.engine.max_proposal)
+        run = StreamedRun(session, most, lambda: self.price.for_batch(len(self.sessions)),
                           self.engine.model.pass_seconds if self.engine.model.forward_ms else None)
         reader = asyncio.create_task(read_pieces(requests, run))
         try:
@@ -249,8 +249,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             first = True
             while True:
                 with telemetry.span(own.span) as span:
-                    step, proposed = own.step(session, session.drafting,
-                                              price=self.price.for_batch(len(self.sessions)))
+                    step, proposed = own.step(session, session.drafting, self.price.for_batch(len(self.sessions)),
+                                              request.num_speculative_tokens)
                     ran = await self._round(context, step)
                     checked, verdict = ran.fed - 1, ran.value
                     if span is not None:
