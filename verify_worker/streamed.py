@@ -67,8 +67,9 @@ class StreamedRun:
         self._changed.set()
 
     async def next(self) -> list[int] | None:
-        """The tokens the next pass verifies: the run so far (at most max_proposal), or none for a
-        plain step; waits while there is neither. None once the stream is over."""
+        """The tokens the next pass verifies: the start of the run, at most max_proposal and as many
+        as are worth their cost (the module's rules), or none for a plain step; waits while there
+        is neither. None once the stream is over."""
         while not (self.run or self.plain or self.ended):
             self._changed.clear()
             await self._changed.wait()
