@@ -89,7 +89,8 @@ class Speculation:
         self.state = self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
                                         proposal_room(opened.max_proposal), self.grammar)
         if stream:
-            self.streaming = Streaming(self, self.drafting.eos_ids, self.drafting.branch_rows)
+            self.streaming = Streaming(self, self.drafting.eos_ids, self.drafting.branch_rows,
+                                       self.request.num_speculative_tokens)
             return opened
         # Greedy only: a sampled request's output must not depend on measured timings, so that its
         # seed reproduces it on any worker.

@@ -6,8 +6,9 @@ Two tasks per request. The drafting task extends the run (the tokens sent and no
 model step at a time, or by a whole n-gram continuation, and sends each as a piece. It drafts on
 past tokens it is unsure of (whatever it drafts while the target verifies costs the target nothing
 until it arrives, and is void if a verdict goes another way), and pauses when the run holds two
-proposals' worth or when it has nothing to propose; then it says so (a message without tokens), and
-a verify worker with nothing to verify decodes plainly until a piece comes. The reading
+passes' worth (a pass: the request's k, or the verify worker's most) or when it has nothing to
+propose; then it says so (a message without tokens), and a verify worker with nothing to verify
+decodes plainly until a piece comes. The reading
 task takes each verdict: the committed tokens go to the gateway, and the run keeps what a verdict
 leaves standing (tandem/speculation/stream.py), the same rule the verify worker keeps. Greedy
 requests only: a sampled draft must take its random numbers in an order that no timing changes.
@@ -19,9 +20,9 @@ row each, nearly free beside the run's own), up to BRANCHES branches (all the wo
 together: under load every row slows every session's step): each after the draft's
 second choice at one of the run's positions where that choice is likeliest to be the target's
 (the draft's probability of reaching the position times its probability of the second choice),
-up to a proposal's worth. When a verdict takes a branch's second choice, that branch becomes the
-run and goes out at once; its drafting state (a cache of its own) becomes the run's, and the old
-run's is spare, lending the next branch its prefix.
+up to a pass's worth (the request's k, or the verify worker's most). When a verdict takes a
+branch's second choice, that branch becomes the run and goes out at once; its drafting state (a
+cache of its own) becomes the run's, and the old run's is spare, lending the next branch its prefix.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Speculation(Protocol):
     def chunk(self, verdict: pb.Verdict, drafted: int, accepted: int) -> pb.TokenChunk: ...
 
 
-AHEAD = 2      # proposals' worth of tokens the run may hold
+AHEAD = 2      # passes' worth of tokens the run may hold
 BRANCHES = 2   # continuations prepared at once, per draft worker: each adds a row to its steps
 BRANCH_AT_LEAST = 0.05   # a continuation is prepared only where the draft thinks it this likely to be used
 
@@ -92,9 +93,11 @@ class Branch:
 
 
 class Streaming:
-    def __init__(self, spec: Speculation, eos_ids: list[int], rows: BranchRows | None = None) -> None:
-        """rows: the worker's branch rows to prepare continuations with (None: none)."""
+    def __init__(self, spec: Speculation, eos_ids: list[int], rows: BranchRows | None = None, k: int = 0) -> None:
+        """rows: the worker's branch rows to prepare continuations with (None: none); k: the
+        request's most tokens a pass verifies (0: the verify worker's own, max_proposal)."""
         self.spec, self.eos_ids, self.rows = spec, eos_ids, rows
+        self.most = min(k or spec.opened.max_proposal, spec.opened.max_proposal)   # a pass's worth
         self.run: list[int] = []          # sent, not yet judged
         self.drawn: list[Drawn | None] = []   # per run token, how the draft chose it (None: not by a model)
         self.branches: list[Branch] = []
@@ -178,14 +181,14 @@ class Streaming:
         return hit
 
     def _room(self, known: int) -> int:
-        """Tokens a line of `known` tokens may still take: two proposals' worth (the verify worker
+        """Tokens a line of `known` tokens may still take: two passes' worth (the verify worker
         takes one a pass, so the next one is on its way while it verifies), and never past what the
         request may still produce (each verdict adds one token of the target's own) or the context
         window."""
         spec = self.spec
         left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1,
                    spec.opened.max_context - known - 1)
-        return max(0, min(AHEAD * spec.opened.max_proposal - len(self.run), left))
+        return max(0, min(AHEAD * self.most - len(self.run), left))
 
     async def _drafting(self) -> None:
         spec = self.spec
@@ -234,13 +237,13 @@ class Streaming:
         return True
 
     def _grows(self, b: Branch) -> bool:
-        """Whether a branch takes another step: up to a proposal's worth, not past an end of sequence."""
+        """Whether a branch takes another step: up to a pass's worth, not past an end of sequence."""
         spec = self.spec
         if b.done or b.run[-1:] and b.run[-1] in self.eos_ids:
             return False
         known = b.at + 1 + len(b.run)
         left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1, spec.opened.max_context - known - 1)
-        return min(spec.opened.max_proposal - len(b.run), left) > 0
+        return min(self.most - len(b.run), left) > 0
 
     def _prepare(self) -> None:
         """Opens branches while the worker has rows for them: at the run's positions whose second

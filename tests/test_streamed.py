@@ -222,6 +222,19 @@ async def test_a_branch_stays_until_a_verdict_reaches_it_and_goes_when_one_passe
 
 
 @pytest.mark.unit
+async def test_the_draft_runs_two_passes_ahead_of_the_verdicts_at_the_requests_k():
+    for k, ahead in ((0, 8), (3, 6), (9, 8)):                     # the verify worker's most is 4
+        spec = _Scripted([1, 2, 3])
+        streaming = Streaming(spec, eos_ids=[0], k=k)
+        first = asyncio.ensure_future(streaming.chunks().__anext__())
+        await _drafted(streaming, ahead)
+        await asyncio.sleep(0.02)                                   # and no further
+        assert len(streaming.run) == ahead and spec.written[-1].token_ids == []     # then a pause
+        streaming.cancel()
+        first.cancel()
+
+
+@pytest.mark.unit
 async def test_branches_take_the_workers_rows_first_come_and_give_them_back():
     rows = BranchRows(2)
     spec, streaming, _, first = _streaming(rows)
