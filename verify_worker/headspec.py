@@ -119,9 +119,9 @@ class HeadSpeculation:
     def step(self, s: TargetSession, h: HeadSession, price: float = 0.0, cap: int = 0, k: int | None = None
              ) -> tuple[Step, list[int]]:
         """The round's step, and the tokens it proposes: the drafted block cut to the confident
-        part (or to `k` positions), to the request's cap and to the room left. A cut never looks at a position's own
-        draw (the confidence of position j reads the tokens before it), so it keeps rejection
-        sampling exact; the guide needs no cut, the block was drawn under its mask."""
+        part (or to `k` positions), to the request's cap and to the room left. A cut never looks
+        at a position's own draw (the confidence of position j reads the tokens before it), so it
+        keeps rejection sampling exact; the guide needs no cut, the block was drawn under its mask."""
         draft = h.proposal or HeadDraft([], [])
         room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
                    self.engine.max_proposal, cap or self.engine.max_proposal)
