@@ -28,7 +28,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, drafters: dict[str, Drafter], eos_ids: list[int], vocab_size: int | None,
                  inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
                  pipeline: bool = False, grammars: Grammars | None = None, compile_timeout: float = 10.0,
-                 jump_forward: bool = True, prepare: bool = True, routes: dict[str, str] | None = None, link_timeout: float = 1.0) -> None:
+                 jump_forward: bool = True, prepare: bool = True, routes: dict[str, str] | None = None,
+                 link_timeout: float = 1.0) -> None:
         """routes: the address to dial for a verify worker's registered one, where they differ.
         link_timeout: how long a request waits for a connection to its verify worker."""
         self.drafters = drafters

@@ -181,14 +181,16 @@ class Streaming:
         return hit
 
     def _room(self, known: int) -> int:
-        """Tokens a line of `known` tokens may still take: two passes' worth (the verify worker
-        takes one a pass, so the next one is on its way while it verifies), and never past what the
-        request may still produce (each verdict adds one token of the target's own) or the context
-        window."""
+        """Tokens the run, `known` tokens with the committed ones, may still take: two passes' worth
+        (the verify worker takes one a pass, so the next one is on its way while it verifies), and
+        never past what the request may still produce."""
+        return max(0, min(AHEAD * self.most - len(self.run), self._left(known)))
+
+    def _left(self, known: int) -> int:
+        """Tokens a line of `known` tokens may still propose: each verdict adds one token of the
+        target's own, within the request's max_new_tokens and the context window."""
         spec = self.spec
-        left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1,
-                   spec.opened.max_context - known - 1)
-        return max(0, min(AHEAD * self.most - len(self.run), left))
+        return min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1, spec.opened.max_context - known - 1)
 
     async def _drafting(self) -> None:
         spec = self.spec
@@ -238,12 +240,9 @@ class Streaming:
 
     def _grows(self, b: Branch) -> bool:
         """Whether a branch takes another step: up to a pass's worth, not past an end of sequence."""
-        spec = self.spec
         if b.done or b.run[-1:] and b.run[-1] in self.eos_ids:
             return False
-        known = b.at + 1 + len(b.run)
-        left = min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1, spec.opened.max_context - known - 1)
-        return min(self.most - len(b.run), left) > 0
+        return min(self.most - len(b.run), self._left(b.at + 1 + len(b.run))) > 0
 
     def _prepare(self) -> None:
         """Opens branches while the worker has rows for them: at the run's positions whose second

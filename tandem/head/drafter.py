@@ -24,6 +24,7 @@ import torch
 
 from tandem.head.model import BlockHead
 from tandem.speculation.drafting import RowDrafter
+from tandem.speculation.survival import worth
 
 
 class HeadContext:
@@ -154,10 +155,6 @@ def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0
 
 
 def worth_its_price(confidence: list[float], price: float) -> int:
-    """The longest prefix of positions whose chance of being reached (all positions up to it
-    accepted) beats `price`, the tokens one more position in the pass costs the others (all of
-    them when there is no price)."""
-    if price <= 0:
-        return len(confidence)
-    reach = list(accumulate(confidence, mul))
-    return next((j for j, r in enumerate(reach) if r <= price), len(reach))
+    """The head's positions worth the pass's price (tandem.speculation.survival.worth), each reached
+    as often as the product of the confidences up to it says."""
+    return worth(list(accumulate(confidence, mul)), price)

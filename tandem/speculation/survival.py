@@ -46,14 +46,20 @@ class Survival:
     def worth(self, k: int, price: float) -> int:
         """The longest prefix of k positions each of which is accepted more often than `price`
         (all k when there is no price: the worker has time to spare)."""
-        if price <= 0:
-            return k
-        for j, rate in enumerate(self.reach(k), 1):
-            if rate <= price:
-                return j - 1
-        return k
+        reach = self.reach(k)
+        n = worth(reach, price)
+        return k if n == len(reach) else n
 
     def hopeful(self, price: float) -> bool:
         """Whether the first position may be accepted more often than `price`: its rate counting
         one more proposal accepted, which weighs less the more proposals were measured."""
         return price <= 0 or (self.accepted[1] + 1) / (self.reached[1] + 1) > price
+
+
+def worth(reach: list[float], price: float) -> int:
+    """The longest prefix of positions whose chance of being reached (all positions up to it
+    accepted) beats `price`, the tokens one more position in a pass costs its other sessions (all
+    of them when there is no price: the worker has time to spare)."""
+    if price <= 0:
+        return len(reach)
+    return next((j for j, r in enumerate(reach) if r <= price), len(reach))
