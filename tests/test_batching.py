@@ -139,7 +139,7 @@ def test_sessions_with_a_copied_prefix_attend_it_together_and_stay_exact(tiny_pa
     # two new tokens for two sessions, more for the others (a proposal, a prefill chunk)
     feeds = [(24, 26), (25, 27), (24, 38), (24, 29)]
     batch = [(c, s[a:b], None) for c, s, (a, b) in zip(caches, seqs, feeds)]
-    parts = [(c.start, c.length, len(ids), c.prefix_key()) for c, ids, _ in batch]
+    parts = [(c.start, c.length, len(ids), c.prefix_key(), None) for c, ids, _ in batch]
     shared = ForwardBatch.build(model.pool, parts).shared
     assert [g.shape for g in shared] == [(2, 2, 3)]     # 2 sessions, 2 queries each, up to 3 own positions
     out = model.forward_batch(batch)

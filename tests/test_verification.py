@@ -3,31 +3,71 @@
 import pytest
 import torch
 
-from tandem.speculation.verification import verify_greedy, verify_sampled
+from tandem.speculation import tree
+from tandem.speculation.tree import walk
+from tandem.speculation.verification import verify_sampled
 
 pytestmark = pytest.mark.unit
 
 
-def logits_for(choices: list[int], vocab: int = 5) -> torch.Tensor:
-    """[n, vocab] logits whose argmax at row i is choices[i]."""
-    x = torch.zeros(len(choices), vocab)
-    x[torch.arange(len(choices)), torch.tensor(choices)] = 1.0
-    return x
+def chain(k):
+    return tree.chain(k)
 
 
-def test_greedy_all_accepted_takes_bonus():
-    out = verify_greedy(torch.tensor([1, 2, 3]), logits_for([1, 2, 3, 4]))
-    assert (out.accepted, out.next_token) == (3, 4)
+def test_greedy_chain_all_accepted_takes_bonus():
+    assert walk([1, 2, 3], chain(3), [1, 2, 3, 4]) == ([0, 1, 2], 4)
 
 
-def test_greedy_first_mismatch_gives_corrected_token():
-    out = verify_greedy(torch.tensor([1, 2, 3]), logits_for([1, 0, 3, 4]))
-    assert (out.accepted, out.next_token) == (1, 0)
+def test_greedy_chain_first_mismatch_gives_corrected_token():
+    assert walk([1, 2, 3], chain(3), [1, 0, 3, 4]) == ([0], 0)
 
 
 def test_greedy_no_proposal_is_plain_decoding():
-    out = verify_greedy(torch.tensor([], dtype=torch.long), logits_for([2]))
-    assert (out.accepted, out.next_token) == (0, 2)
+    assert walk([], [], [2]) == ([], 2)
+
+
+# A tree: root -> 1 (node 0) -> 2 (node 1) -> 3 (node 2); root -> 7 (node 3) -> 8 (node 4); node 0 -> 5 (node 5)
+TOKENS, PARENTS = [1, 2, 3, 7, 8, 5], [-1, 0, 1, -1, 3, 0]
+
+
+def test_greedy_tree_follows_the_sibling_the_target_chose():
+    # rows: after root, after each node 0..5
+    assert walk(TOKENS, PARENTS, [7, 0, 0, 0, 8, 9, 0]) == ([3, 4], 9)
+    assert walk(TOKENS, PARENTS, [1, 5, 0, 0, 0, 0, 6]) == ([0, 5], 6)
+    assert walk(TOKENS, PARENTS, [1, 2, 3, 4, 0, 0, 0]) == ([0, 1, 2], 4)
+    assert walk(TOKENS, PARENTS, [4, 2, 3, 4, 0, 0, 0]) == ([], 4)
+
+
+def test_greedy_tree_cut_by_the_batcher_ignores_nodes_not_fed():
+    # only the root and nodes 0..3 were fed: node 4 (token 8 after node 3) has no row
+    assert walk(TOKENS, PARENTS, [7, 0, 0, 0, 8]) == ([3], 8)
+
+
+def test_tree_shape_rules():
+    assert tree.problem(TOKENS, PARENTS) is None
+    assert "same id" in tree.problem([1, 1], [-1, -1])
+    assert "earlier index" in tree.problem([1, 2], [-1, 1])
+    assert "one parent per token" in tree.problem([1, 2], [-1])
+    assert tree.depths(PARENTS) == [1, 2, 3, 1, 2, 2]
+    assert sorted(tree.paths(PARENTS)) == [[0, 1, 2], [0, 5], [3, 4]]
+    mask = tree.ancestors_mask(tree.fed(PARENTS))
+    assert mask[5].tolist() == [True, False, False, False, True, True, False]     # node 4: root, node 3, itself
+    assert mask[6].tolist() == [True, True, False, False, False, False, True]     # node 5: root, node 0, itself
+
+
+def test_tree_rows_are_processed_along_their_own_path():
+    """A node's row sees its ancestors' tokens only: a 'penalty' that marks each token of the path
+    shows which history each row got."""
+    logits = torch.zeros(len(TOKENS) + 1, 10)
+
+    def mark(rows, path):
+        out = rows.clone()
+        for i in range(rows.shape[0]):
+            out[i, path[:i]] = -1.0
+        return out
+    out = tree.rows_by_path(logits, TOKENS, PARENTS, mark)
+    seen = [set((out[r] < 0).nonzero().flatten().tolist()) for r in range(len(TOKENS) + 1)]
+    assert seen == [set(), {1}, {1, 2}, {1, 2, 3}, {7}, {7, 8}, {1, 5}]
 
 
 def test_sampled_acceptance_threshold_is_p_over_q():

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
+from tandem.engine.batcher import Step
 from tandem.engine.kvpool import MAX_PROPOSAL, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.modeling import CausalLM, SessionCache
 from tandem.speculation.finish import Finish
 from tandem.speculation.logprobs import TokenLogprob, logprobs_of
 from tandem.speculation.grammar import Matcher
 from tandem.speculation.sampling import SamplingError, SamplingParams, make_generator, probabilities, process
-from tandem.speculation.verification import verify_greedy, verify_sampled
+from tandem.speculation import tree
+from tandem.speculation.verification import verify_sampled
 
 
 class ProtocolError(ValueError):
@@ -121,14 +124,20 @@ class VerifyEngine:
             return []
         return logprobs_of(logits, s.tokens[start + 1:start + 1 + logits.shape[0]], s.params.top_logprobs)
 
-    def verify_input(self, s: TargetSession, proposed: list[int]) -> list[int]:
-        """Checks a proposal; returns the k+1 tokens to feed: the last committed one + proposed."""
+    def verify_input(self, s: TargetSession, proposed: list[int], parents: list[int] | None = None) -> list[int]:
+        """Checks a proposal (a chain, or a token tree with its parents: greedy sessions only);
+        returns the k+1 tokens to feed: the last committed one + proposed."""
         if s.stop_reason:
             raise ProtocolError(f"session {s.session_id} has already finished")
         k = len(proposed)
         if k > self.max_proposal:
             raise ProtocolError(f"proposal of {k} tokens exceeds this worker's limit of {self.max_proposal}")
         self._check_ids(proposed, "proposed token")
+        if parents is not None:
+            if not s.params.greedy:
+                raise ProtocolError("a tree proposal needs a greedy session (sampled proposals are chains)")
+            if (why := tree.problem(proposed, parents)) is not None:
+                raise ProtocolError(why)
         if len(s.tokens) + k > self.model.max_context:
             raise ProtocolError(f"proposal of {k} tokens runs past the context window "
                                 f"({len(s.tokens)} of {self.model.max_context} positions used)")
@@ -137,44 +146,53 @@ class VerifyEngine:
         return [s.tokens[-1], *proposed]
 
     def judge(self, s: TargetSession, proposed: list[int], draft_probs: torch.Tensor | None,
-              logits: torch.Tensor) -> VerdictResult:
+              logits: torch.Tensor, parents: list[int] | None = None) -> VerdictResult:
         """The verdict on a proposal from the target's logits [k+1, V] over verify_input's tokens,
-        which the cache now holds; rejected positions are rolled back.
+        which the cache now holds; rejected positions are rolled back, and of a tree only the
+        accepted path is kept, in order.
 
-        draft_probs: [k, V] q the proposal was sampled from, or None (greedy or deterministic)."""
+        draft_probs: [k, V] q the proposal was sampled from, or None (greedy or deterministic).
+        parents: a tree's (greedy only), None for a chain."""
         k = len(proposed)
         base = s.cache.length - (k + 1)                           # == len(s.tokens) - 1
         if draft_probs is not None and tuple(draft_probs.shape) != (k, self.model.vocab_size):
             s.cache.crop(base)
             raise ProtocolError(f"draft distributions have shape {tuple(draft_probs.shape)}, "
                                 f"expected ({k}, {self.model.vocab_size})")
-        allowed = s.grammar.allowed(proposed) if s.grammar is not None else None     # [k+1, V]
+        parents = tree.chain(k) if parents is None else parents
+
+        def process_path(rows: torch.Tensor, path: list[int]) -> torch.Tensor:
+            allowed = s.grammar.allowed(path) if s.grammar is not None else None     # [len(path)+1, V]
+            return process(rows, s.tokens, s.prompt_len, s.params, self.model.eos_ids, path, allowed)
         try:
-            processed = process(logits, s.tokens, s.prompt_len, s.params, self.model.eos_ids, proposed, allowed)
+            processed = tree.rows_by_path(logits, proposed, parents, process_path)     # [k+1, V]
         except SamplingError:
             s.cache.crop(base)
             raise
-        proposed_t = torch.tensor(proposed, dtype=torch.long)      # [k]
         if s.params.greedy:
-            outcome = verify_greedy(proposed_t, processed)
+            path, next_token = tree.walk(proposed, parents, processed.argmax(dim=-1).tolist())
         else:
             p = probabilities(processed, s.params)                 # [k+1, V]
             uniforms = torch.rand(k, generator=s.generator)        # [k]
-            outcome = verify_sampled(proposed_t, draft_probs, p, uniforms, s.generator)
-        # Keep the last committed token and the accepted ones; rejected positions are dropped.
-        s.cache.crop(base + 1 + outcome.accepted)
-        verdict = self._commit(s, outcome.accepted, [*proposed[:outcome.accepted], outcome.next_token])
+            outcome = verify_sampled(torch.tensor(proposed, dtype=torch.long), draft_probs, p, uniforms, s.generator)
+            path, next_token = list(range(outcome.accepted)), outcome.next_token
+        # Keep the last committed token and the accepted path; the other positions are dropped.
+        s.cache.keep_path(base + 1, path)
+        verdict = self._commit(s, len(path), [*(proposed[j] for j in path), next_token])
         if s.params.reports:
-            # row i of the raw logits is the distribution token_ids[i] was decided from
-            verdict.logprobs = logprobs_of(logits, verdict.token_ids, s.params.top_logprobs)
+            # the raw logits' row after the root and after each accepted token: the distribution
+            # each of token_ids was decided from
+            rows = [0, *(j + 1 for j in path)][:len(verdict.token_ids)]
+            verdict.logprobs = logprobs_of(logits[rows], verdict.token_ids, s.params.top_logprobs)
         return verdict
 
     def judge_fed(self, s: TargetSession, proposed: list[int],
-                  draft_probs: Callable[[], torch.Tensor | None], logits: torch.Tensor) -> VerdictResult:
+                  draft_probs: Callable[[], torch.Tensor | None], logits: torch.Tensor,
+                  parents: list[int] | None = None) -> VerdictResult:
         """judge for a proposal the batcher may have cut to fit its pass: `logits` has a row per
-        token fed, so the first len(logits) - 1 proposed tokens are judged. draft_probs() builds the
-        whole proposal's q (only sampling needs it); its ValueError rolls the pass back and is a
-        ProtocolError."""
+        token fed, so the first len(logits) - 1 proposed tokens are judged (of a tree too: parents
+        come first). draft_probs() builds the whole proposal's q (only sampling needs it); its
+        ValueError rolls the pass back and is a ProtocolError."""
         k = logits.shape[0] - 1
         q = None
         if not s.params.greedy:
@@ -184,13 +202,24 @@ class VerifyEngine:
             except ValueError as e:
                 s.cache.crop(len(s.tokens) - 1)
                 raise ProtocolError(str(e)) from None
-        return self.judge(s, proposed[:k], q, logits)
+        return self.judge(s, proposed[:k], q, logits, None if parents is None else parents[:k])
 
-    def verify(self, s: TargetSession, proposed: list[int],
-               draft_probs: torch.Tensor | None = None) -> VerdictResult:
+    def round_step(self, s: TargetSession, proposed: list[int], draft_probs: Callable[[], torch.Tensor | None],
+                   parents: list[int] | None = None, returns: bool = False) -> Step:
+        """A round's step for the batcher: the proposal (a chain, or a tree with its `parents`) fed
+        after the last committed token and judged by judge_fed; it may be cut to fit a pass.
+        Raises ProtocolError for a bad proposal."""
+        feed = self.verify_input(s, proposed, parents)
+        return Step(s.cache, feed, None, partial(self.judge_fed, s, proposed, draft_probs, parents=parents),
+                    least=1, returns=returns, tree=None if parents is None else tree.fed(parents))
+
+    def verify(self, s: TargetSession, proposed: list[int], draft_probs: torch.Tensor | None = None,
+               parents: list[int] | None = None) -> VerdictResult:
         """One forward pass over [last committed token] + proposed (k+1 positions), on its own."""
-        tokens = self.verify_input(s, proposed)
-        return self.judge(s, proposed, draft_probs, self.model.forward(tokens, s.cache))
+        tokens = self.verify_input(s, proposed, parents)
+        fed = None if parents is None else tree.fed(parents)
+        return self.judge(s, proposed, draft_probs, self.model.forward_batch([(s.cache, tokens, None, fed)])[0],
+                          parents)
 
     def _commit(self, s: TargetSession, accepted: int, new: list[int]) -> VerdictResult:
         eos = set(self.model.eos_ids)

@@ -4,7 +4,6 @@ method with the same loop; what differs is here and in the method's own module."
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Protocol
 
 from tandem.engine.batcher import Step
@@ -58,8 +57,7 @@ class Plain:
         pass
 
     def step(self, s: TargetSession, state, price: float = 0.0, cap: int = 0) -> tuple[Step, list[int]]:
-        judge = partial(self.engine.judge_fed, s, [], lambda: None)
-        return Step(s.cache, self.engine.verify_input(s, []), None, judge, least=1, returns=True), []
+        return self.engine.round_step(s, [], lambda: None, returns=True), []
 
     def propose_seconds(self) -> float | None:
         return None

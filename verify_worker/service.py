@@ -171,16 +171,15 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                             "proposal before the session was opened")
                     await self._check_owner(context, session)
-                    proposal = req.proposal
-                    if proposal.plain_steps > 1 and proposal.token_ids:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            f"plain_steps ({proposal.plain_steps}) needs a proposal without tokens, "
-                                            f"got {len(proposal.token_ids)}")
-                    steps = max(1, proposal.plain_steps)
+                    p = req.proposal
+                    if p.plain_steps > 1 and p.token_ids:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plain_steps ({p.plain_steps}) "
+                                            f"needs a proposal without tokens, got {len(p.token_ids)}")
+                    steps = max(1, p.plain_steps)
                     for step in range(steps):
-                        ran = await self._verify(context, session, list(proposal.token_ids), proposal.distributions,
-                                                 returns=step < steps - 1)
-                        yield self._verdict(ran, len(proposal.token_ids))
+                        ran = await self._verify(context, session, list(p.token_ids), p.distributions,
+                                                 returns=step < steps - 1, parents=list(p.parents) or None)
+                        yield self._verdict(ran, len(p.token_ids))
                         if ran.value.stop_reason:
                             return
                 else:
@@ -279,16 +278,16 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                reserved_kv_tokens=sum(self.keeper.live.values()))
 
     async def _verify(self, context, session: TargetSession, tokens: list[int], distributions,
-                      returns: bool = False) -> Ran:
-        """One round in the next batch; a bad proposal aborts this stream only (INVALID_ARGUMENT).
-        returns: this worker decodes the session's next round itself right after (a plain run)."""
+                      returns: bool = False, parents: list[int] | None = None) -> Ran:
+        """One round (of a chain, or of a token tree with its `parents`) in the next batch; a bad
+        proposal aborts this stream only (INVALID_ARGUMENT). returns: this worker decodes the
+        session's next round itself right after (a plain run)."""
         draft_probs = partial(wire.dense_draft_probs, distributions, len(tokens), self.engine.model.vocab_size)
-        judge = partial(self.engine.judge_fed, session, tokens, draft_probs)
         try:
-            feed = self.engine.verify_input(session, tokens)
+            step = self.engine.round_step(session, tokens, draft_probs, parents, returns)
         except ProtocolError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return await self._round(context, Step(session.cache, feed, None, judge, least=1, returns=returns))
+        return await self._round(context, step)
 
     async def _round(self, context, step: Step) -> Ran:
         """A round's step in the next batch; its bad input aborts this stream only (INVALID_ARGUMENT)."""

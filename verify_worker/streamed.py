@@ -129,6 +129,9 @@ async def read_pieces(requests, run: StreamedRun) -> None:
             if req.WhichOneof("kind") != "proposal":
                 error = "a streamed session takes only Proposal messages after OpenSession"
                 break
+            if req.proposal.parents:
+                error = "a streamed session's pieces are chains: parents must be empty"
+                break
             run.add(req.proposal)
     finally:
         run.end(error)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from tandem.engine.kvpool import KVPool
+from tandem.speculation.tree import ancestors_mask
 
 ATTENTION = "tandem_pool"
 
@@ -81,20 +82,21 @@ class ForwardBatch:
     # each session attends alone.
 
     @classmethod
-    def build(cls, pool: KVPool, parts: list[tuple[int, int, int, tuple[int, int]]]) -> ForwardBatch:
-        """parts: (start slot, past length, new tokens, the cache's prefix_key) per session, in
-        flat-sequence order."""
+    def build(cls, pool: KVPool, parts: list[tuple]) -> ForwardBatch:
+        """parts: (start slot, past length, new tokens, the cache's prefix_key, tree) per session,
+        in flat-sequence order; tree: None, or the new tokens' parents (tandem.speculation.tree),
+        which then attend alone."""
         slots, offsets, by_source = [], [], {}
-        for i, (start, past, n, (source, shared)) in enumerate(parts):
+        for i, (start, past, n, (source, shared), tree) in enumerate(parts):
             slots.extend(range(start + past, start + past + n))
             offsets.append(offsets[-1] + parts[i - 1][2] if i else 0)
             # Grouped by prefix and by new tokens: a group pads every member's queries to its
             # longest, so one long proposal among single tokens would make the whole group pay for
             # its length (see docs/benchmarks.md, "Measurements behind the code's rules").
             # A prefill chunk (longer than SHORT) attends alone.
-            if n <= cls.SHORT:
+            if n <= cls.SHORT and tree is None:
                 by_source.setdefault((source, n), []).append(i)
-        alone, groups = [i for i, p in enumerate(parts) if p[2] > cls.SHORT], []
+        alone, groups = [i for i, p in enumerate(parts) if p[2] > cls.SHORT or p[4] is not None], []
         for members in by_source.values():
             prefix = min(min(parts[i][3][1], parts[i][1]) for i in members)
             if len(members) > 1 and prefix >= cls.MIN_SHARED and pool.keys.device.type == "cpu":
@@ -104,13 +106,15 @@ class ForwardBatch:
         alone.sort()
 
         def segment(i: int) -> Segment:
-            start, past, n, _ = parts[i]
+            start, past, n, _, tree = parts[i]
             run = slice(start, start + past + n)
             mask = None
             if n > 1:
-                mask = torch.zeros(n, past + n, dtype=pool.keys.dtype, device=pool.keys.device)
-                mask.masked_fill_(~torch.ones(n, past + n, dtype=torch.bool, device=pool.keys.device).tril(past),
-                                  float("-inf"))
+                seen = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+                if tree is not None:
+                    seen[:, past:] = ancestors_mask(tree)
+                mask = torch.zeros(n, past + n, dtype=pool.keys.dtype)
+                mask = mask.masked_fill_(~seen, float("-inf")).to(pool.keys.device)
             return Segment(slice(offsets[i], offsets[i] + n), pool.keys[:, None, :, run],
                            pool.values[:, None, :, run], mask)
 

@@ -52,7 +52,9 @@ class Step:
     returns: the session's next step follows this one at once (decoding on in this process), so
         the next pass waits for it; otherwise the wait depends on how long it was away before.
     taps: `then` gets (rows, features) with the batcher's tapped hidden states of every token fed
-        (see CausalLM.forward_batch), for a trained head beside the target."""
+        (see CausalLM.forward_batch), for a trained head beside the target.
+    tree: the tokens are a token tree, tree[i] the parent of token i among them (-1 for the first;
+        see CausalLM.forward_batch); cut with the tokens, parents first, so a cut one is a tree."""
     cache: SessionCache
     tokens: list[int]
     last: int | None = None
@@ -61,9 +63,12 @@ class Step:
     least: int | None = None
     returns: bool = False
     taps: bool = False
+    tree: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)      # the batcher cuts its own copy, never the caller's list
+        if self.tree is not None:
+            self.tree = list(self.tree)
 
 
 @dataclass
@@ -185,6 +190,8 @@ class Batcher:
             if batch and tokens + n > self.max_tokens:
                 continue
             del queued.step.tokens[n:]
+            if queued.step.tree is not None:
+                del queued.step.tree[n:]
             batch.append(queued)
             tokens += n
         for queued in self._queue:
@@ -247,7 +254,8 @@ class Batcher:
                 settle(i)
         if ready:
             tapped = self.taps and any(steps[i].taps for i in ready)
-            logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last) for i in ready],
+            logits = self.model.forward_batch([(steps[i].cache, steps[i].tokens, steps[i].last, steps[i].tree)
+                                               for i in ready],
                                               self.taps if tapped else ())
             # observed first (callbacks run in order): a verdict built from the price sees this pass
             loop.call_soon_threadsafe(self._observe, len(batch), tokens, prefill, time.perf_counter() - start)

@@ -168,6 +168,22 @@ class SessionCache:
             self.length = length
             self._rewrite_from(length)
 
+    def keep_path(self, base: int, nodes: list[int]) -> None:
+        """Keeps of the positions after the first `base` those at base + i for i in `nodes`
+        (increasing: a token tree's accepted path), moved up to base, base + 1, ... in that order;
+        the rest are dropped. Copies only the positions that move."""
+        moves = [(base + i, base + j) for j, i in enumerate(nodes) if i != j]
+        if not moves:
+            self.crop(base + len(nodes))
+            return
+        src = torch.tensor([self.start + a for a, _ in moves], device=self.pool.keys.device)
+        dst = torch.tensor([self.start + b for _, b in moves], device=self.pool.keys.device)
+        with self.pool._lock:
+            for held in (self.pool.keys, self.pool.values):
+                held.index_copy_(2, dst, held.index_select(2, src))
+        self.length = base + len(nodes)
+        self._rewrite_from(moves[0][1])
+
     def prefix_key(self) -> tuple[int, int]:
         """(source, n): this cache's first n positions hold, bit for bit, the keys and values of
         every other cache's first n positions with the same source."""

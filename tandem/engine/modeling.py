@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from tandem.engine import gemm
 from tandem.engine.attention import ATTENTION, ForwardBatch
 from tandem.engine.kvpool import KVPool, SessionCache
+from tandem.speculation.tree import depths
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,13 @@ class CausalLM:
         return self.forward_batch([(cache, token_ids, last)], taps)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: list[tuple[SessionCache, list[int], int | None]],
-                      taps: tuple[int, ...] = ()) -> list:
+    def forward_batch(self, items: list[tuple], taps: tuple[int, ...] = ()) -> list:
         """One forward pass over the new tokens of many sessions: (cache, token_ids, last) each, as
-        in `forward`; returns each item's logits. A session may appear once per batch.
+        in `forward`, or (cache, token_ids, last, tree) where the new tokens are a token tree
+        (tandem.speculation.tree: tree[i] the index of token i's parent among them, -1 for the
+        first): each attends its ancestors only, at the position its depth gives it, and every
+        one takes a KV slot of its own in order. Returns each item's logits. A session may appear
+        once per batch.
 
         taps: indices into the model's hidden states (0 the embeddings, i + 1 the output of layer
         i, num_hidden_layers the final normed state); then each item's result is (logits,
@@ -112,24 +116,29 @@ class CausalLM:
         When a longer input runs faster (see `calibrate`), the batch is padded at the end with
         copies of the last token, appended to the last session: causal attention keeps the real
         positions unaffected, and the padded positions are dropped from the cache afterwards."""
-        total = sum(len(ids) for _, ids, _ in items)
+        items = [(*item, None)[:4] for item in items]
+        total = sum(len(item[1]) for item in items)
         pad = self.padded_length.get(total, total) - total
         last_cache = items[-1][0]
-        if pad and last_cache.length + len(items[-1][1]) + pad > min(last_cache.capacity, self.max_context):
+        if pad and (items[-1][3] is not None or last_cache.length + len(items[-1][1]) + pad
+                    > min(last_cache.capacity, self.max_context)):
             pad = 0                          # never run past the session's run or the context window
         ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
         parts: list[tuple[int, int, int]] = []
-        for i, (cache, token_ids, last) in enumerate(items):
+        for i, (cache, token_ids, last, tree) in enumerate(items):
             n = len(token_ids) + (pad if i == len(items) - 1 else 0)
             self.check_feed(cache, token_ids, n - len(token_ids))
             cache.reserve(cache.length + n)
             kept = len(token_ids) if last is None else min(last, len(token_ids))
             keep.extend(range(len(ids) + len(token_ids) - kept, len(ids) + len(token_ids)))
             ids.extend(token_ids + token_ids[-1:] * (n - len(token_ids)))
-            positions.extend(range(cache.length, cache.length + n))
-            parts.append((cache.start, cache.length, n, cache.prefix_key()))
+            if tree is None:
+                positions.extend(range(cache.length, cache.length + n))
+            else:
+                positions.extend(cache.length - 1 + d for d in depths(tree))
+            parts.append((cache.start, cache.length, n, cache.prefix_key(), tree))
         batch = ForwardBatch.build(self.pool, parts)
         out = self.model(input_ids=torch.tensor([ids], device=self.device),
                          position_ids=torch.tensor([positions], device=self.device), use_cache=False,
@@ -138,7 +147,7 @@ class CausalLM:
         logits = out.logits[0].float().cpu()
         features = torch.cat([out.hidden_states[t][0] for t in taps], -1).float().cpu() if taps else None
         results, at, fed = [], 0, 0
-        for cache, token_ids, last in items:
+        for cache, token_ids, last, _ in items:
             kept = len(token_ids) if last is None else min(last, len(token_ids))
             rows = logits[at:at + kept]
             results.append(rows if features is None else (rows, features[fed:fed + len(token_ids)]))

@@ -1,8 +1,9 @@
 """The verification step of speculative decoding, as pure functions over tensors.
 
 No gRPC and no model code here. Given k proposed tokens, the target's distributions at the k+1
-positions they cover, and (when sampling) the draft distributions they were drawn from, decide
-how many are accepted and which token comes next. See the glossary in `tandem/__init__.py`.
+positions they cover, and the draft distributions they were drawn from, decide how many are
+accepted and which token comes next. See the glossary in `tandem/__init__.py`. Greedy verdicts,
+on chains and trees alike, walk the target's choices (tandem/speculation/tree.py).
 
 Sampling follows the standard rule (Leviathan et al. 2023; Chen et al. 2023): accept proposed x_i
 with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample the corrected token
@@ -21,15 +22,6 @@ import torch
 class Outcome:
     accepted: int      # number of leading proposed tokens accepted (0..k)
     next_token: int    # the bonus (all accepted) or corrected (at the first rejection) token
-
-
-def verify_greedy(proposed: torch.Tensor, target_logits: torch.Tensor) -> Outcome:
-    """proposed: [k] int64; target_logits: [k+1, V]. Accept while the target's argmax agrees."""
-    choice = target_logits.argmax(dim=-1)                      # [k+1]
-    k = proposed.shape[0]
-    mismatch = (choice[:k] != proposed).nonzero()
-    accepted = int(mismatch[0].item()) if mismatch.numel() else k
-    return Outcome(accepted, int(choice[accepted].item()))
 
 
 def verify_sampled(proposed: torch.Tensor, draft_probs: torch.Tensor | None,
