@@ -103,7 +103,7 @@ def overhead(rounds_tokens: int = 96) -> dict:
     - end to end: (service wall time - the same loop in one process) / rounds, which also counts the
       gateway and any slowdown of the models' Python code in server processes; noisy when the
       machine is shared."""
-    from draft_worker.drafters import ModelDrafter
+    from draft_worker.model import ModelDrafter
     from tandem.engine.modeling import CausalLM, load_tokenizer
     from tandem.speculation.sampling import SamplingParams
     from tandem.testing import build_tiny_pair

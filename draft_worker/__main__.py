@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.drafters import NgramDrafter
+from draft_worker.model import ModelDrafter
 from draft_worker.service import DraftServicer
 from tandem.cluster.registry import DRAFT, WorkerInfo, advertise_address, heartbeat_for
 from tandem.engine.batcher import Batcher
@@ -17,6 +18,7 @@ from tandem.service import metrics
 from tandem.service.config import (add_common_flags, add_flag, add_guide_flags, add_kv_flags, add_model_flags,
                                    add_worker_flags, check_guide_flags, check_kv_flags, check_worker_flags)
 from tandem.service.server import service_from_args, setup_observability
+from tandem.speculation import tree
 from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
@@ -42,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="with --pipeline and a draft model: also draft, in the same batched steps, the continuation "
                   "after the draft's second choice where the target is likeliest to take it, sent the moment "
                   "a verdict does")
+    add_flag(parser, "--tree-branches", default=tree.BRANCHES, type=int,
+             help="rounds of greedy requests without a guide (not --pipeline): propose a tree, with up to this "
+                  "many branches off the draft model's line at its second choices, drafted in the same batched "
+                  "steps; 0: chains")
     add_flag(parser, "--verify-route", default="",
              help="comma-separated ADDRESS=VIA pairs: dial VIA where a verify worker registered ADDRESS "
                   "(a proxy or tunnel on the link between the pools)")
@@ -73,6 +79,8 @@ async def main(args: argparse.Namespace) -> None:
     check_worker_flags(args)
     if args.link_timeout <= 0:
         raise SystemExit(f"--link-timeout must be positive, got {args.link_timeout}")
+    if args.tree_branches < 0:
+        raise SystemExit(f"--tree-branches must be 0 or more, got {args.tree_branches}")
     check_kv_flags(args)
     check_guide_flags(args)
     grammars = None
@@ -103,6 +111,7 @@ async def main(args: argparse.Namespace) -> None:
     service = service_from_args([internal_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name], args)
     servicer = DraftServicer(drafters, eos_ids, vocab_size, inference, adaptive_k=args.adaptive_k,
                              batcher=batcher, pipeline=args.pipeline, prepare=args.prepare, grammars=grammars,
+                             tree_branches=args.tree_branches,
                              compile_timeout=args.guide_compile_timeout, jump_forward=args.jump_forward,
                              routes=parse_routes(args.verify_route), link_timeout=args.link_timeout)
     internal_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)

@@ -15,6 +15,7 @@ from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
 from tandem.service.server import channel as traced_channel
+from tandem.speculation import tree
 from tandem.speculation.grammar import Grammars
 from tandem.speculation.sampling import SamplingError
 from tandem.speculation.survival import Survival
@@ -29,12 +30,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                  inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
                  pipeline: bool = False, grammars: Grammars | None = None, compile_timeout: float = 10.0,
                  jump_forward: bool = True, prepare: bool = True, routes: dict[str, str] | None = None,
-                 link_timeout: float = 1.0) -> None:
+                 link_timeout: float = 1.0, tree_branches: int = tree.BRANCHES) -> None:
         """routes: the address to dial for a verify worker's registered one, where they differ.
         link_timeout: how long a request waits for a connection to its verify worker."""
         self.drafters = drafters
         self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size, grammars,
-                                 compile_timeout, jump_forward, BranchRows() if prepare else None)
+                                 compile_timeout, jump_forward, BranchRows() if prepare else None, tree_branches)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.routes = routes or {}
         self.link_timeout = link_timeout

@@ -23,20 +23,14 @@ from tandem.engine.kvpool import proposal_room
 from tandem.engine.thread import InferenceThread
 from tandem.service import metrics, telemetry, wire
 from tandem.speculation.grammar import GrammarError, Grammars, Matcher
+from tandem.speculation.room import plan_k
 from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.survival import Survival
+from tandem.speculation.tree import TreeBudget
 from tandem.v1 import internal_pb2 as pb
 
 
 JUMP_FORWARD = "jump_forward"    # the method label of the tokens a guide forces, in metrics
-
-
-def plan_k(requested: int, context_len: int, generated: int, max_new_tokens: int,
-           max_context: int, max_proposal: int) -> int:
-    """How many tokens to propose this round: never more than can still be used (each round also
-    yields one bonus token) and never past the target's context window."""
-    room = min(max_new_tokens - generated - 1, max_context - context_len - 1, max_proposal)
-    return max(0, min(requested, room))
 
 
 @dataclass
@@ -52,6 +46,7 @@ class Drafting:
     compile_timeout: float = 10.0
     jump_forward: bool = True     # propose the tokens a guide forces before the drafted ones
     branch_rows: BranchRows | None = None   # streamed: rows to prepare continuations with (None: none)
+    tree_branches: int = 0        # rounds of greedy unguided requests: a tree with this many branches at most
 
 
 class VerifyClosed(Exception):
@@ -165,8 +160,8 @@ class Speculation:
         """The drafted proposal fitted to the controller's choice, and how many plain rounds to ask
         for when there is none."""
         control = self.control
-        if control is not None and len(draft.tokens) > draft.forced:
-            draft = draft.prefix(draft.forced + control.fit(len(draft.tokens) - draft.forced, draft.kind))
+        if control is not None and draft.line > draft.forced:
+            draft = draft.fit_line(draft.forced + control.fit(draft.line - draft.forced, draft.kind))
         return draft, control.plain_run() if control is not None and not draft.tokens else 1
 
     def _apply(self, draft: Draft, verdict: pb.Verdict, round_s: float, rtt_s: float) -> tuple[int, int, int]:
@@ -177,9 +172,10 @@ class Speculation:
         forced = min(draft.forced, checked)
         forced_accepted = min(draft.forced, verdict.accepted)
         metrics.observe_verdict(JUMP_FORWARD, forced, forced_accepted)
-        if self.control is not None:
-            self.control.observe(checked, len(verdict.token_ids), round_s, verdict.accepted, verdict.token_cost,
-                                 plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None)
+        if self.control is not None:       # a tree's acceptance is counted by depth, as a chain's
+            plain_s = plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None
+            self.control.observe(draft.depth(checked), len(verdict.token_ids), round_s, verdict.accepted,
+                                 verdict.token_cost, plain_s)
         self.tokens.extend(verdict.token_ids)
         if self.grammar is not None and not verdict.stop_reason:
             taken = self.grammar.advance(list(verdict.token_ids))
@@ -203,10 +199,16 @@ class Speculation:
                              prompt_logprobs=self.opened.prompt_logprobs if first else ())
 
     def _propose(self, tokens: list[int], k: int) -> asyncio.Future:
-        """Drafts a proposal in the background: (Draft, seconds until it was ready)."""
+        """Drafts a proposal in the background: (Draft, seconds until it was ready). Greedy, where
+        trees are on, within a round's tree budget (sampled proposals are judged as chains)."""
         if self.grammar is not None:
             return asyncio.ensure_future(self._guided(tokens, k))
-        return self.propose(tokens, k)
+        budget, o = None, self.opened
+        if self.drafting.tree_branches and self.params.greedy:
+            budget = TreeBudget.for_round(self.request.num_speculative_tokens, o.max_proposal,
+                                          o.max_context - len(tokens), self.drafting.tree_branches,
+                                          self.control.price if self.control else 0.0)
+        return self.propose(tokens, k, budget=budget)
 
     async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:
         """A proposal under the guide: first the tokens it forces (jump-forward; proposed even when
@@ -236,27 +238,28 @@ class Speculation:
         return self.drafter.start(self.params, self.drafting.eos_ids, len(self.prompt),
                                   proposal_room(self.opened.max_proposal))
 
-    def propose(self, tokens: list[int], k: int, state: DraftState | None = None) -> asyncio.Future:
+    def propose(self, tokens: list[int], k: int, state: DraftState | None = None,
+                budget: TreeBudget | None = None) -> asyncio.Future:
         """The drafter's proposal of up to k tokens after `tokens` (from `state`, by default the
-        request's), and the seconds it took, as a future."""
+        request's; a tree within `budget` when given), and the seconds it took, as a future."""
         state, drafting = state or self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
             done = asyncio.get_running_loop().create_future()
-            done.set_result((state.propose(tokens, k), time.perf_counter() - start))
+            done.set_result((state.propose(tokens, k, budget), time.perf_counter() - start))
             return done
         if drafting.batcher is None:
-            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k))
+            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k, budget))
 
         async def batched():
             start = time.perf_counter()
-            return await state.propose_batched(drafting.batcher, tokens, k), time.perf_counter() - start
+            return await state.propose_batched(drafting.batcher, tokens, k, budget), time.perf_counter() - start
         return asyncio.ensure_future(batched())
 
     async def _send(self, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:
         """Sends one proposal (or, with no tokens, a run of `run` plain rounds) and reads its first
         verdict: (verdict, round-trip seconds)."""
-        proposal = pb.Proposal(token_ids=draft.tokens, plain_steps=run if run > 1 else 0)
+        proposal = pb.Proposal(token_ids=draft.tokens, plain_steps=run if run > 1 else 0, parents=draft.parents or ())
         if draft.support is not None:
             proposal.distributions.extend(wire.support_to_proto(i, p) for i, p in draft.support)
         sent = time.perf_counter()

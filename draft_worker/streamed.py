@@ -36,6 +36,7 @@ from draft_worker.drafters import Draft, Drafter, DraftState
 from tandem.engine.kvpool import KVPoolFull
 from tandem.service import metrics, telemetry
 from tandem.speculation.drafting import Drawn
+from tandem.speculation.room import left
 from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.stream import after_verdict
 from tandem.v1 import internal_pb2 as pb
@@ -187,10 +188,9 @@ class Streaming:
         return max(0, min(AHEAD * self.most - len(self.run), self._left(known)))
 
     def _left(self, known: int) -> int:
-        """Tokens a line of `known` tokens may still propose: each verdict adds one token of the
-        target's own, within the request's max_new_tokens and the context window."""
+        """Tokens a line of `known` tokens may still propose (tandem.speculation.room.left)."""
         spec = self.spec
-        return min(spec.params.max_new_tokens - (known - len(spec.prompt)) - 1, spec.opened.max_context - known - 1)
+        return left(known, len(spec.prompt), spec.params.max_new_tokens, spec.opened.max_context)
 
     async def _drafting(self) -> None:
         spec = self.spec

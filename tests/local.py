@@ -4,17 +4,20 @@ workers use: for tests that need thousands of generations and for measuring what
 from __future__ import annotations
 
 from draft_worker.drafters import Drafter
-from draft_worker.speculation import plan_k
 from tandem.engine.modeling import CausalLM
 from tandem.service import wire
+from tandem.speculation.room import plan_k
 from tandem.speculation.sampling import SamplingParams, choose, make_generator, process
+from tandem.speculation.tree import TreeBudget
 from verify_worker.engine import VerifyEngine
 
 
 def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
-              k: int, reports: list | None = None) -> tuple[list[int], int, int]:
+              k: int, reports: list | None = None, budget: TreeBudget | None = None,
+              drafts: list | None = None) -> tuple[list[int], int, int]:
     """Returns (generated tokens, drafted, accepted); appends the tokens' logprob reports to
-    `reports` when given (params must ask for them)."""
+    `reports` when given (params must ask for them), and each Draft to `drafts`. With a budget,
+    the drafter proposes trees."""
     s = engine.open("local", prompt, params)
     engine.prefill(s)
     state = drafter.start(params, engine.model.eos_ids, len(prompt)) if drafter else None
@@ -22,17 +25,21 @@ def speculate(engine: VerifyEngine, drafter: Drafter | None, prompt: list[int], 
     while not s.stop_reason:
         kk = plan_k(k, len(s.tokens), s.generated, params.max_new_tokens, engine.model.max_context,
                     engine.max_proposal) if state else 0
-        draft = state.propose(list(s.tokens), kk) if state else None
+        draft = state.propose(list(s.tokens), kk, budget) if state else None
+        if drafts is not None and draft is not None:
+            drafts.append(draft)
         tokens = draft.tokens if draft else []
         q = None
         if draft is not None and draft.support is not None and not params.greedy:
             dists = [wire.support_to_proto(ids, probs) for ids, probs in draft.support]
             q = wire.dense_draft_probs(dists, len(tokens), engine.model.vocab_size)
-        v = engine.verify(s, tokens, q)
+        v = engine.verify(s, tokens, q, draft.parents if draft else None)
         if reports is not None:
             reports += v.logprobs or ()
         drafted += len(tokens)
         accepted += v.accepted
+    if state is not None:
+        state.close()
     return s.tokens[len(prompt):], drafted, accepted
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest_asyncio
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.drafters import NgramDrafter
+from draft_worker.model import ModelDrafter
 from draft_worker.service import DraftServicer
 from fmaas import generation_pb2_grpc as fmaas_grpc
 from gateway.core import GenerationCore

@@ -456,7 +456,7 @@ def guided_counts(guided, regex: str, k: int, n: int, bug: str | None, monkeypat
     from dataclasses import replace
 
     import verify_worker.engine as engine_module
-    from draft_worker.drafters import ModelDrafter
+    from draft_worker.model import ModelDrafter
     from tandem.speculation.grammar import Guide
     _, _, target, draft, grammars, prompt = guided
     real = engine_module.process

@@ -51,7 +51,7 @@ async def test_routing_counts_the_room_of_each_reservation(redis_client):
 
 @pytest.mark.unit
 def test_the_draft_sizes_its_cache_by_the_same_rule(tiny_models):
-    from draft_worker.drafters import ModelDrafter
+    from draft_worker.model import ModelDrafter
     _, draft = tiny_models
     state = ModelDrafter(draft).start(SamplingParams(max_new_tokens=N), draft.eos_ids, P, proposal_room(5))
     try:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.drafters import NgramDrafter
+from draft_worker.model import ModelDrafter
 from tandem.speculation.sampling import SamplingParams
 from tests.local import reference, speculate
 from verify_worker.engine import VerifyEngine

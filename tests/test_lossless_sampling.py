@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.drafters import NgramDrafter
+from draft_worker.model import ModelDrafter
 from tandem.speculation.sampling import SamplingParams, probabilities
 from tests.local import speculate
 from verify_worker.engine import VerifyEngine

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_worker.drafters import ModelDrafter
+from draft_worker.model import ModelDrafter
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.sampling import SamplingParams
 from tests.local import reference, speculate

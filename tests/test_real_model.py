@@ -4,7 +4,8 @@ with a repetition penalty it equals transformers' generate, logprobs included.""
 
 import pytest
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter
+from draft_worker.drafters import NgramDrafter
+from draft_worker.model import ModelDrafter
 from tandem.engine.modeling import CausalLM, load_tokenizer
 from tandem.speculation.sampling import SamplingParams
 from tests.local import reference, speculate

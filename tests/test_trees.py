@@ -89,9 +89,9 @@ def generate(oracle, prompt: list[int], params: SamplingParams, processors=()) -
 
 
 def run_trees(engine: VerifyEngine, prompt: list[int], params: SamplingParams, want: list[int], seed: int,
-              grammar=None) -> tuple[list[int], int]:
+              grammar=None, reports: list | None = None) -> tuple[list[int], int]:
     """Decodes with random trees that hide `want`'s next tokens on a branch; (output, rounds that
-    took a path off the first branch)."""
+    took a path off the first branch). Each verdict's logprob reports go to `reports`."""
     rng = random.Random(seed)
     s = engine.open("trees", prompt, params, grammar=grammar)
     engine.prefill(s)
@@ -100,6 +100,8 @@ def run_trees(engine: VerifyEngine, prompt: list[int], params: SamplingParams, w
         done = len(s.tokens) - len(prompt)
         tokens, parents = random_tree(want[done:] + [0] * 4, engine.model.vocab_size, rng)
         v = engine.verify(s, tokens, parents=parents)
+        if reports is not None:
+            reports += v.logprobs
         off_first += v.accepted > 0 and tokens[0] != v.token_ids[0]
     return s.tokens[len(prompt):], off_first
 
@@ -151,3 +153,97 @@ def test_a_bad_tree_is_refused_and_leaves_the_session_as_it_was(tiny_models, ora
     with pytest.raises(ProtocolError, match="greedy"):
         engine.verify(sampled, [5, 6], parents=[-1, -1])
     assert s.cache.length == len(prompt) - 1 and engine.verify(s, [5, 6], parents=[-1, -1]).token_ids
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_model_drafted_trees_equal_the_target_alone(tiny_models, tiny_pair, k):
+    """The draft model's trees (branches at its second choices, drafted in the same passes), judged
+    by the verify engine, give the target's own greedy output; some rounds take a branch."""
+    from transformers import AutoTokenizer
+
+    from draft_worker.model import ModelDrafter
+    from tests.local import reference, speculate
+    target, draft = tiny_models
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    engine, drafter = VerifyEngine(target), ModelDrafter(draft, confidence=0.0)
+    budget = tree.TreeBudget(nodes=2 * k, branches=2, at_least=0.0)
+    branched = 0
+    for prompt in ["def add(a, b):", "for i in range(10):\n", "The quick brown fox"]:
+        ids = tok(prompt).input_ids
+        params = SamplingParams(max_new_tokens=40, repetition_penalty=1.1)
+        proposals = []
+        out, drafted, accepted = speculate(engine, drafter, ids, params, k, budget=budget, drafts=proposals)
+        assert out == reference(target, ids, params), prompt
+        trees = [p for p in proposals if p.parents is not None]
+        assert trees and all(len(p.tokens) <= 2 * k and tree.problem(p.tokens, p.parents) is None for p in trees)
+        branched += sum(p.line < len(p.tokens) for p in trees)
+    assert branched > 0
+
+
+def test_ngram_trees_merge_the_continuations_of_every_occurrence():
+    from tandem.speculation.ngram import lookup, lookup_tree
+    context = [1, 2, 3, 9, 9, 1, 2, 3, 4, 4, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    tokens, parents, n = lookup_tree(context, k=4, nodes=10, branches=2)
+    assert (tokens[:4], n) == lookup(context, 4)          # the latest occurrence is the main line
+    assert tree.problem(tokens, parents) is None
+    assert sorted(tuple(tokens[j] for j in path) for path in tree.paths(parents)) == [(4, 4, 1, 2), (5, 6, 7, 1), (9, 9)]
+    assert lookup_tree(context, k=4, nodes=10, branches=0)[1] is None
+    assert lookup_tree([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], k=4, nodes=10, branches=2) == ([3, 4, 1, 2], None, 3)
+
+
+def test_ngram_drafted_trees_equal_the_target_alone(tiny_models, oracle):
+    """Prompt lookup over a prompt whose phrases recur with different continuations: its trees
+    take branches, and the output is transformers' own."""
+    from draft_worker.drafters import NgramDrafter
+    from tests.local import speculate
+    target = tiny_models[0]
+    text = "the cat sat. the cat ran. the dog sat. the dog ran. the cat"
+    ids = oracle[1](text).input_ids
+    params = SamplingParams(max_new_tokens=40)
+    proposals = []
+    out, _, _ = speculate(VerifyEngine(target), NgramDrafter(), ids, params, 6,
+                          budget=tree.TreeBudget(nodes=12, branches=2), drafts=proposals)
+    assert out == generate(oracle, ids, params)
+    assert any(p.parents is not None for p in proposals)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_min_new_tokens_blocks_an_end_that_falls_on_its_last_blocked_position(tiny_models, oracle, shape):
+    """The target's natural end falls exactly at the last position min_new_tokens blocks: that row
+    (depth-dependent in a tree) must still block it, and the next may not. The end-of-sequence id
+    is set to the token the target writes there, for the oracle and the engine alike."""
+    model, hf = tiny_models[0], oracle[0]
+    prompt = oracle[1](PROMPT).input_ids
+    free = generate(oracle, prompt, SamplingParams(max_new_tokens=30))
+    at = next(i for i in range(4, len(free)) if free[i] not in free[:i])
+    saved, saved_hf = model.eos_ids, hf.generation_config.eos_token_id
+    model.eos_ids, hf.generation_config.eos_token_id = [free[at]], free[at]
+    try:
+        params = SamplingParams(max_new_tokens=30, min_new_tokens=at + 1)
+        want = generate(oracle, prompt, params)
+        assert want[:at] == free[:at] and len(want) > at and want[at] != free[at]   # blocked there, it goes on
+        engine = VerifyEngine(model)
+        if shape == "tree":
+            got, _ = run_trees(engine, prompt, params, want, seed=3)
+        else:
+            from tests.local import speculate
+            got = speculate(engine, None, prompt, params, 0)[0]
+        assert got == want
+    finally:
+        model.eos_ids, hf.generation_config.eos_token_id = saved, saved_hf
+
+
+def test_a_tree_verdict_reports_each_token_from_the_row_it_was_decided_from(tiny_models, oracle):
+    from tests.local import speculate
+    engine = VerifyEngine(tiny_models[0])
+    prompt = oracle[1](PROMPT).input_ids
+    params = SamplingParams(max_new_tokens=24, logprobs=True, top_logprobs=3)
+    plain: list = []
+    want = speculate(engine, None, prompt, params, 0, reports=plain)[0]
+    got: list = []
+    out, off_first = run_trees(engine, prompt, params, want, seed=4, reports=got)
+    assert out == want and off_first > 0
+    assert [r.token_id for r in got] == want
+    for a, b in zip(got, plain):
+        assert a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

@@ -17,8 +17,29 @@ its ancestors, which are the committed output), so a tree is lossless by constru
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+BRANCHES = 2      # lines of a round's tree off the drafter's main one, at most (the draft worker's --tree-branches)
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """How large a tree a drafter may propose: `nodes` tokens in all, at most `branches` lines off
+    its main one, and only nodes the drafter itself thinks likelier than `at_least` to be on the
+    target's path (the price of a position in the verify pass, or a floor where there is none)."""
+    nodes: int
+    branches: int = BRANCHES
+    at_least: float = 0.05
+
+    AT_LEAST = 0.05      # the floor where the verify worker names no higher price
+
+    @classmethod
+    def for_round(cls, k: int, max_proposal: int, context_left: int, branches: int, price: float) -> TreeBudget:
+        """A round's budget: as many nodes as a pass may verify (the request's k, 0 for the verify
+        worker's most) and the context window holds; nodes likelier than the verify worker's price."""
+        return cls(min(k or max_proposal, max_proposal, context_left - 1), branches, max(cls.AT_LEAST, price))
 
 
 def chain(k: int) -> list[int]:
