@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology image deploy-check image-check clean
+.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,12 @@ bench-passcost: setup
 TOPOLOGY_ARGS ?=
 bench-topology: setup
 	$(PY) -m bench.topology $(TOPOLOGY_ARGS)
+
+# Chains against trees of candidates, Qwen pair and n-gram, 1, 4 and 16 streams, and transformers'
+# assisted generation (bench/trees.py); TREES_ARGS=--quick for a smoke run.
+TREES_ARGS ?=
+bench-trees: setup
+	$(PY) -m bench.trees $(TREES_ARGS)
 
 # One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
 IMAGE ?= tandem

@@ -4,8 +4,9 @@ One stack per layout (tandem.launch.Stack), started in turn with the same models
 - chains: the draft worker with --tree-branches 0;
 - trees: the default (--tree-branches 2: branches at the draft's second choices, drafted in the
   same batched steps, verified in one pass with a tree mask).
-Each layout serves draft methods model (the Qwen pair, int8 draft) and ngram at 1, 4 and 16
-concurrent streams (S requests at once, the prompts in turn), greedy. Per run: tokens / wall,
+Each layout serves draft methods model (the Qwen pair, int8 draft; the chat code prompts of
+bench/e2e.py) and ngram (the code-editing prompts of bench/load.py, whose outputs repeat their
+prompts) at 1, 4 and 16 concurrent streams (S requests at once, the prompts in turn), greedy. Per run: tokens / wall,
 tokens per verify round, proposed nodes per round (usage.draft_tokens / verify_rounds) and the
 verify worker's seconds per pass (its tandem_verify_seconds histogram). Then, with the stacks
 stopped, transformers' generate on the target alone and assisted by the same int8 draft, on the
@@ -25,6 +26,7 @@ import grpc
 import torch
 
 from bench.e2e import PROMPTS, hf_run
+from bench.load import PROMPTS as EDITS
 from bench.load import scrape
 from bench.report import machine, timed_generate, write_json
 from tandem.client import build_request
@@ -63,7 +65,8 @@ def layout(name: str, a, methods: list[str], streams: list[int]) -> dict:
             timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
             for s in streams:
                 before = scrape(metrics_url, "histogram")
-                run = run_streams(stub, PROMPTS[:a.prompts], method, s, a.max_new_tokens)
+                prompts = (PROMPTS if method == "model" else EDITS)[:a.prompts]
+                run = run_streams(stub, prompts, method, s, a.max_new_tokens)
                 after = scrape(metrics_url, "histogram")
                 passes = after.get(f"{VERIFY}_count", 0) - before.get(f"{VERIFY}_count", 0)
                 busy = after.get(f"{VERIFY}_sum", 0) - before.get(f"{VERIFY}_sum", 0)

@@ -253,14 +253,27 @@ class _Proposal:
         self.main.reach *= drawn.prob
 
     def draft(self) -> Draft:
-        main = self.main
+        """The main line, then each branch, then the second choices at the main line's other
+        positions as leaves, where the draft's estimate that the target takes them beats the floor
+        (a leaf costs the pass one position and the draft nothing: on a hit, the target's token
+        after it comes too); cut to the budget's nodes, the leaves and the last branches first."""
+        main, budget = self.main, self.budget
         for row in (main, *(b for _, b in self.branches)):
             row.rows.finish()
-        if not self.branches:
-            return Draft(main.rows.tokens, main.rows.support, drawn=main.drawn if self.state.params.greedy else None)
         drawn, parents = list(main.drawn), tree.chain(len(main.drawn))
         for at, b in self.branches:
             parents += [at - 1, *range(len(drawn), len(drawn) + len(b.drawn) - 1)]
             drawn += b.drawn
-        n = self.budget.nodes                  # the main line first: the last branches give way
+        if budget is not None:
+            taken, reach, leaves = {at for at, _ in self.branches}, 1.0, []
+            for at, d in enumerate(main.drawn):
+                if d.alt >= 0 and at not in taken and reach * d.alt_prob >= budget.at_least:
+                    leaves.append((reach * d.alt_prob, at, d))
+                reach *= d.prob
+            for _, at, d in sorted(leaves, key=lambda leaf: -leaf[0])[:budget.nodes - len(drawn)]:
+                drawn.append(Drawn(d.alt, d.alt_prob))
+                parents.append(at - 1)
+        if len(drawn) == len(main.drawn):
+            return Draft(main.rows.tokens, main.rows.support, drawn=main.drawn if self.state.params.greedy else None)
+        n = budget.nodes
         return Draft([d.token for d in drawn[:n]], None, drawn=drawn[:n], parents=parents[:n])

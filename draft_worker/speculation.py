@@ -203,11 +203,12 @@ class Speculation:
         trees are on, within a round's tree budget (sampled proposals are judged as chains)."""
         if self.grammar is not None:
             return asyncio.ensure_future(self._guided(tokens, k))
-        budget, o = None, self.opened
+        budget, o, control = None, self.opened, self.control
         if self.drafting.tree_branches and self.params.greedy:
             budget = TreeBudget.for_round(self.request.num_speculative_tokens, o.max_proposal,
                                           o.max_context - len(tokens), self.drafting.tree_branches,
-                                          self.control.price if self.control else 0.0)
+                                          control.price if control else 0.0, o.forward_ms,
+                                          (control.speculative.value or 0.0) if control else 0.0)
         return self.propose(tokens, k, budget=budget)
 
     async def _guided(self, tokens: list[int], k: int) -> tuple[Draft, float]:

@@ -123,3 +123,34 @@ def test_the_head_proposes_a_prompt_lookup_where_the_answer_copies_the_prompt(sm
     (lookup_proposed, lookup_accepted), (head_proposed, head_accepted) = by_source[True], by_source[False]
     assert lookup_proposed > 0 and s.drafting.lookups, by_source
     assert lookup_accepted / lookup_proposed > head_accepted / max(1, head_proposed), by_source
+
+
+@pytest.mark.parametrize("method", ["model", "ngram"])
+def test_real_model_trees_equal_transformers(smollm, method):
+    """Trees on real weights: SmolLM2 verifies the trees of its own int8 copy (branches at the
+    copy's second choices, leaves where it is unsure) or of prompt lookup, with repetition_penalty
+    1.2; the output is transformers' generate on a model loaded apart, and some rounds take a
+    branch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.modeling import resolve
+    from tandem.speculation.tree import TreeBudget
+    model, tok = smollm
+    oracle = AutoModelForCausalLM.from_pretrained(resolve(PRESET), dtype=torch.float32).eval()
+    drafter = ModelDrafter(CausalLM(PRESET, threads=2, dtype="int8")) if method == "model" else NgramDrafter()
+    params = SamplingParams(max_new_tokens=48, repetition_penalty=1.2)
+    taken = 0
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        drafts: list = []
+        out, _, _ = speculate(VerifyEngine(model), drafter, ids, params, 8, budget=TreeBudget(12, 2, 0.02),
+                              drafts=drafts)
+        with torch.no_grad():
+            ref = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=48, repetition_penalty=1.2,
+                                  pad_token_id=tok.eos_token_id)
+        want = ref[0, len(ids):].tolist()
+        assert out == want[:len(out)] and len(out) == len(want) - (want[-1] in model.eos_ids), prompt
+        taken += sum(d.parents is not None for d in drafts)
+    assert taken > 0

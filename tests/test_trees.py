@@ -247,3 +247,14 @@ def test_a_tree_verdict_reports_each_token_from_the_row_it_was_decided_from(tiny
     for a, b in zip(got, plain):
         assert a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_round_budget_prices_a_node_by_what_its_position_costs():
+    budget = tree.TreeBudget.for_round
+    assert budget(0, 16, 1000, 2, 0.0).nodes == 16 and budget(4, 16, 1000, 2, 0.0).nodes == 4
+    assert budget(0, 16, 6, 2, 0.0).nodes == 5                           # the context window holds 5 more
+    assert budget(0, 16, 1000, 2, 0.0).at_least == tree.TreeBudget.AT_LEAST
+    assert budget(0, 16, 1000, 2, 0.4).at_least == 0.4                   # the verify worker's price
+    flat, sloped = [20.0] * 17, [200.0 + 10 * i for i in range(17)]      # ms per pass by length
+    assert budget(0, 16, 1000, 2, 0.0, flat, 12.0).at_least == tree.TreeBudget.AT_LEAST
+    assert budget(0, 16, 1000, 2, 0.0, sloped, 12.0).at_least == pytest.approx(0.010 * 12.0)

@@ -28,18 +28,26 @@ BRANCHES = 2      # lines of a round's tree off the drafter's main one, at most 
 class TreeBudget:
     """How large a tree a drafter may propose: `nodes` tokens in all, at most `branches` lines off
     its main one, and only nodes the drafter itself thinks likelier than `at_least` to be on the
-    target's path (the price of a position in the verify pass, or a floor where there is none)."""
+    target's path (what a position in the pass costs, in tokens; see for_round)."""
     nodes: int
     branches: int = BRANCHES
     at_least: float = 0.05
 
-    AT_LEAST = 0.05      # the floor where the verify worker names no higher price
+    AT_LEAST = 0.05      # the floor where a position costs less
 
     @classmethod
-    def for_round(cls, k: int, max_proposal: int, context_left: int, branches: int, price: float) -> TreeBudget:
+    def for_round(cls, k: int, max_proposal: int, context_left: int, branches: int, price: float,
+                  forward_ms: Sequence[float] = (), tokens_per_second: float = 0.0) -> TreeBudget:
         """A round's budget: as many nodes as a pass may verify (the request's k, 0 for the verify
-        worker's most) and the context window holds; nodes likelier than the verify worker's price."""
-        return cls(min(k or max_proposal, max_proposal, context_left - 1), branches, max(cls.AT_LEAST, price))
+        worker's most) and the context window holds. A node must be likelier to be taken than its
+        position costs: under load, the verify worker's price (the other sessions' tokens it
+        delays); alone, the seconds a position adds to the pass (the slope of forward_ms, the
+        verify worker's pass time by length) times the tokens per second the session gets (the
+        tokens that time would have given). Where a pass costs the same for any length (a GPU),
+        trees widen; where each position costs (a CPU), only likely nodes go."""
+        slope = (forward_ms[-1] - forward_ms[0]) / 1000 / (len(forward_ms) - 1) if len(forward_ms) > 1 else 0.0
+        own = max(0.0, slope) * tokens_per_second
+        return cls(min(k or max_proposal, max_proposal, context_left - 1), branches, max(cls.AT_LEAST, price, own))
 
 
 def chain(k: int) -> list[int]:
