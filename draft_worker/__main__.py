@@ -18,7 +18,6 @@ from tandem.service import metrics
 from tandem.service.config import (add_common_flags, add_flag, add_guide_flags, add_kv_flags, add_model_flags,
                                    add_worker_flags, check_guide_flags, check_kv_flags, check_worker_flags)
 from tandem.service.server import service_from_args, setup_observability
-from tandem.speculation import tree
 from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 
@@ -44,10 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="with --pipeline and a draft model: also draft, in the same batched steps, the continuation "
                   "after the draft's second choice where the target is likeliest to take it, sent the moment "
                   "a verdict does")
-    add_flag(parser, "--tree-branches", default=tree.BRANCHES, type=int,
-             help="rounds of greedy requests without a guide (not --pipeline): propose a tree, with up to this "
-                  "many branches off the draft model's line at its second choices, drafted in the same batched "
-                  "steps; 0: chains")
+    add_flag(parser, "--tree-branches", default=0, type=int,
+             help="rounds of greedy requests without a guide (not --pipeline): propose a token tree, with up to "
+                  "this many branches off the draft model's line at its second choices (drafted in the same "
+                  "batched steps) and its second choices as leaves, or prompt lookup's other continuations; "
+                  "nodes priced by what a position costs the verify pass. 0: chains. Pays where a pass costs "
+                  "about the same for any length (a GPU); about even with chains on a CPU (docs/benchmarks.md)")
     add_flag(parser, "--verify-route", default="",
              help="comma-separated ADDRESS=VIA pairs: dial VIA where a verify worker registered ADDRESS "
                   "(a proxy or tunnel on the link between the pools)")

@@ -47,6 +47,10 @@ class Draft:
             return len(self.tokens)
         return next((j for j, p in enumerate(self.parents) if p != j - 1), len(self.parents))
 
+    def off_line(self, accepted: int, committed) -> bool:
+        """Whether a verdict that accepted `accepted` tokens (the first of `committed`) left the main line."""
+        return accepted > self.line or list(committed[:accepted]) != self.tokens[:accepted]
+
     def depth(self, n: int) -> int:
         """The deepest of the first n tokens (n itself for a chain)."""
         return max(tree.depths(self.parents[:n]), default=0) if self.parents is not None else n

@@ -15,7 +15,6 @@ from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
 from tandem.service.server import channel as traced_channel
-from tandem.speculation import tree
 from tandem.speculation.grammar import Grammars
 from tandem.speculation.sampling import SamplingError
 from tandem.speculation.survival import Survival
@@ -30,7 +29,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                  inference: InferenceThread, adaptive_k: bool = True, batcher: Batcher | None = None,
                  pipeline: bool = False, grammars: Grammars | None = None, compile_timeout: float = 10.0,
                  jump_forward: bool = True, prepare: bool = True, routes: dict[str, str] | None = None,
-                 link_timeout: float = 1.0, tree_branches: int = tree.BRANCHES) -> None:
+                 link_timeout: float = 1.0, tree_branches: int = 0) -> None:
         """routes: the address to dial for a verify worker's registered one, where they differ.
         link_timeout: how long a request waits for a connection to its verify worker."""
         self.drafters = drafters

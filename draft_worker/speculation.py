@@ -46,7 +46,7 @@ class Drafting:
     compile_timeout: float = 10.0
     jump_forward: bool = True     # propose the tokens a guide forces before the drafted ones
     branch_rows: BranchRows | None = None   # streamed: rows to prepare continuations with (None: none)
-    tree_branches: int = 0        # rounds of greedy unguided requests: a tree with this many branches at most
+    tree_branches: int = 0        # rounds of greedy unguided requests: a tree with this many branches (0: chains)
 
 
 class VerifyClosed(Exception):
@@ -172,6 +172,8 @@ class Speculation:
         forced = min(draft.forced, checked)
         forced_accepted = min(draft.forced, verdict.accepted)
         metrics.observe_verdict(JUMP_FORWARD, forced, forced_accepted)
+        if draft.parents is not None:
+            metrics.TREE_ROUNDS.labels("branch" if draft.off_line(verdict.accepted, verdict.token_ids) else "line").inc()
         if self.control is not None:       # a tree's acceptance is counted by depth, as a chain's
             plain_s = plain_instead(rtt_s, checked, verdict.position_seconds) if checked else None
             self.control.observe(draft.depth(checked), len(verdict.token_ids), round_s, verdict.accepted,
@@ -269,13 +271,11 @@ class Speculation:
 
     async def _read_verdict(self, since: float) -> tuple[pb.Verdict, float]:
         """The next verdict, and the seconds from `since` to its arrival."""
-        verdict = (await self.read()).verdict
-        return verdict, time.perf_counter() - since
+        return (await self.read()).verdict, time.perf_counter() - since
 
     async def read(self) -> pb.VerifyResponse:
         """The verify worker's next message (VerifyClosed when its stream has ended)."""
-        msg = await self.call.read()
-        if msg is grpc.aio.EOF:
+        if (msg := await self.call.read()) is grpc.aio.EOF:
             raise VerifyClosed("verify worker closed the session stream")
         return msg
 

@@ -109,6 +109,9 @@ PREPARED = Counter("tandem_draft_prepared_continuations", "Streamed proposals (-
                    "judged them (hit: the target took the second choice there, and the continuation went "
                    "out at once; miss: the target took a third token there; unused: the target took the "
                    "draft's first choice, or went another way earlier)", ["outcome"], registry=_NO)
+TREE_ROUNDS = Counter("tandem_draft_tree_rounds", "Rounds proposed as a token tree (--tree-branches), by the path "
+                      "the verdict took: line (the main line's tokens only) or branch (through a branch or a "
+                      "leaf: tokens a chain would not have had)", ["path"], registry=_NO)
 LINK_EVENTS = Counter("tandem_draft_link_events", "Requests a fault of the link to their verify worker ended "
                       "here: unreachable (no connection within --link-timeout), lost (the stream broke mid-request)",
                       ["event"], registry=_NO)
@@ -146,7 +149,7 @@ _OWNED = {
     "gateway": [REQUESTS, TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING, MIGRATIONS,
                 FALLBACKS, LINK_FALLBACKS, VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE],
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
-                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, PREPARED, INFERENCE_BUSY, LINK_EVENTS],
+                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, PREPARED, TREE_ROUNDS, INFERENCE_BUSY, LINK_EVENTS],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
                       PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
                       KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS, INFERENCE_BUSY],

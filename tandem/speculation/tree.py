@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-BRANCHES = 2      # lines of a round's tree off the drafter's main one, at most (the draft worker's --tree-branches)
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class TreeBudget:
     its main one, and only nodes the drafter itself thinks likelier than `at_least` to be on the
     target's path (what a position in the pass costs, in tokens; see for_round)."""
     nodes: int
-    branches: int = BRANCHES
+    branches: int = 2
     at_least: float = 0.05
 
     AT_LEAST = 0.05      # the floor where a position costs less
