@@ -337,6 +337,9 @@ class _Tape:
     def crop(self, n: int) -> None:
         del self.ids[n:]
 
+    def keep_path(self, base: int, nodes: list[int]) -> None:
+        self.ids[base:] = [self.ids[base + i] for i in nodes]
+
     def reserve(self, total: int, spare: bool = True) -> None:
         pass
 
