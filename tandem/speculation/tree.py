@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class TreeBudget:
     """How large a tree a drafter may propose: `nodes` tokens in all, at most `branches` lines off
