@@ -39,6 +39,7 @@ from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.ngram import lookup
+from tandem.speculation.room import plan_k
 from tandem.speculation.sampling import make_generator
 from tandem.speculation.survival import Survival
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
@@ -123,8 +124,9 @@ class HeadSpeculation:
         at a position's own draw (the confidence of position j reads the tokens before it), so it
         keeps rejection sampling exact; the guide needs no cut, the block was drawn under its mask."""
         draft = h.proposal or HeadDraft([], [])
-        room = min(s.params.max_new_tokens - s.generated - 1, self.engine.model.max_context - len(s.tokens) - 1,
-                   self.engine.max_proposal, cap or self.engine.max_proposal)
+        most = self.engine.max_proposal
+        room = plan_k(cap or most, len(s.tokens), s.generated, s.params.max_new_tokens, self.engine.model.max_context,
+                      most)
         if k is None:
             curve = self.engine.model.forward_ms if s.params.greedy else []
             k = choose_k(draft.confidence, curve, self.draft_ms)
