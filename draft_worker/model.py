@@ -105,9 +105,6 @@ class _ModelDraftState:
             self.drafter.share(self, context)
         proposal = self._begin(context, k, budget)
         while rows := proposal.rows():
-            if len(rows) == 1:                    # a chain's step, or a lone branch's
-                rows[0].take(self.model.forward(rows[0].feed, rows[0].line.cache, last=1))
-                continue
             for row, logits in zip(rows, self.model.forward_batch([(r.line.cache, r.feed, 1) for r in rows])):
                 row.take(logits)
         return proposal.draft()

@@ -376,6 +376,11 @@ class _Memo:
         rows = [self.rows[tuple(full[:j + 1])] for j in range(start, len(full))]
         return torch.stack(rows[-last:] if last else rows)
 
+    def forward_batch(self, items: list[tuple]) -> list[torch.Tensor]:
+        """Chains only, each memoized as `forward`."""
+        assert all(len(item) < 4 or item[3] is None for item in items)
+        return [self.forward(ids, cache, last) for cache, ids, last, *_ in items]
+
 
 @pytest.fixture(scope="module")
 def guided(tiny_pair, tiny_models, tmp_path_factory):

@@ -217,9 +217,7 @@ class VerifyEngine:
                parents: list[int] | None = None) -> VerdictResult:
         """One forward pass over [last committed token] + proposed (k+1 positions), on its own."""
         tokens = self.verify_input(s, proposed, parents)
-        if parents is None:
-            return self.judge(s, proposed, draft_probs, self.model.forward(tokens, s.cache))
-        logits = self.model.forward_batch([(s.cache, tokens, None, tree.fed(parents))])[0]
+        logits = self.model.forward_batch([(s.cache, tokens, None, None if parents is None else tree.fed(parents))])[0]
         return self.judge(s, proposed, draft_probs, logits, parents)
 
     def _commit(self, s: TargetSession, accepted: int, new: list[int]) -> VerdictResult:
