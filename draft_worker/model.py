@@ -20,7 +20,7 @@ from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_l
 from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
 from tandem.speculation import tree
-from tandem.speculation.drafting import Drawn, RowDrafter
+from tandem.speculation.drafting import Drawn, RowDrafter, second_choices
 from tandem.speculation.grammar import Matcher
 from tandem.speculation.sampling import SamplingParams, make_generator
 from tandem.speculation.tree import TreeBudget
@@ -265,13 +265,10 @@ class _Proposal:
             parents += [at - 1, *range(len(drawn), len(drawn) + len(b.drawn) - 1)]
             drawn += b.drawn
         if budget is not None:
-            taken, reach, leaves = {at for at, _ in self.branches}, 1.0, []
-            for at, d in enumerate(main.drawn):
-                if d.alt >= 0 and at not in taken and reach * d.alt_prob >= budget.at_least:
-                    leaves.append((reach * d.alt_prob, at, d))
-                reach *= d.prob
-            for _, at, d in sorted(leaves, key=lambda leaf: -leaf[0])[:budget.nodes - len(drawn)]:
-                drawn.append(Drawn(d.alt, d.alt_prob))
+            taken = {at for at, _ in self.branches}
+            leaves = [(v, at) for v, at in second_choices(main.drawn) if at not in taken and v >= budget.at_least]
+            for _, at in sorted(leaves, key=lambda leaf: -leaf[0])[:max(0, budget.nodes - len(drawn))]:
+                drawn.append(Drawn(main.drawn[at].alt, main.drawn[at].alt_prob))
                 parents.append(at - 1)
         if len(drawn) == len(main.drawn):
             return Draft(main.rows.tokens, main.rows.support, drawn=main.drawn if self.state.params.greedy else None)

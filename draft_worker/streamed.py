@@ -35,7 +35,7 @@ from typing import Protocol
 from draft_worker.drafters import Draft, Drafter, DraftState
 from tandem.engine.kvpool import KVPoolFull
 from tandem.service import metrics, telemetry
-from tandem.speculation.drafting import Drawn
+from tandem.speculation.drafting import Drawn, second_choices
 from tandem.speculation.room import left
 from tandem.speculation.sampling import SamplingParams
 from tandem.speculation.stream import after_verdict
@@ -250,14 +250,10 @@ class Streaming:
         reaching the position times its probability of the second choice), where likely enough."""
         if self.rows is None or not self.rows.free or not self.spec.drafter.uses_model:
             return
-        taken, base, reach, value = {b.at for b in self.branches}, len(self.spec.tokens), 1.0, []
-        for i, d in enumerate(self.drawn):
-            if d is None:
-                return
-            if d.alt >= 0 and base + i not in taken:
-                value.append((reach * d.alt_prob, i))
-            reach *= d.prob
-        for v, i in sorted(value, reverse=True):
+        if any(d is None for d in self.drawn):   # a token not drawn by the model: no estimate past it
+            return
+        taken, base = {b.at for b in self.branches}, len(self.spec.tokens)
+        for v, i in sorted(((v, i) for v, i in second_choices(self.drawn) if base + i not in taken), reverse=True):
             if v < BRANCH_AT_LEAST or not self.rows.take():
                 return
             if not self.spares:

@@ -33,6 +33,18 @@ class Drawn:
     alt_prob: float = 0.0  # where a prepared continuation would branch (draft_worker/streamed.py)
 
 
+def second_choices(drawn: list[Drawn]) -> list[tuple[float, int]]:
+    """(value, i) for each position i of a greedy line whose second choice is known: the draft's
+    estimate that the target takes that second choice there, its probability of reaching i (the
+    product of q before it) times the second choice's probability. In position order."""
+    out, reach = [], 1.0
+    for i, d in enumerate(drawn):
+        if d.alt >= 0:
+            out.append((reach * d.alt_prob, i))
+        reach *= d.prob
+    return out
+
+
 class RowDrafter:
     """One proposal's rows. `take` each row's raw logits in order; `finish` once, which leaves the
     guide's matcher as it was found. tokens: drawn so far; support: per token (ids, probs) of q
