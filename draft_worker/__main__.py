@@ -99,7 +99,7 @@ async def main(args: argparse.Namespace) -> None:
         def load() -> CausalLM:
             model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
                              kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20,
-                             packed_gemm=args.packed_gemm)
+                             packed_gemm=args.packed_gemm, batch_invariant=False)   # drafts change only speed
             if args.calibrate:
                 model.calibrate(4, last=1)  # a round feeds 1 or 2 tokens; prompts are long enough not to matter
             return model

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from draft_worker.model import ModelDrafter
+from tandem.engine.gemm import Int8Linear
 from tandem.engine.modeling import CausalLM
 from tandem.speculation.sampling import SamplingParams
 from tests.local import reference, speculate
@@ -68,7 +69,7 @@ def test_padding_everywhere_keeps_greedy_output(tiny_pair, tiny_models):
 def test_int8_draft_is_lossless(tiny_pair, tiny_models):
     target = tiny_models[0]
     draft = CausalLM(str(tiny_pair[1]), dtype="int8")
-    assert any("quantized" in type(m).__module__ for m in draft.model.modules())
+    assert any(isinstance(m, Int8Linear) for m in draft.model.modules())
     params = SamplingParams(max_new_tokens=30)
     for prompt in ([3, 17, 42, 9], [100, 101, 7]):
         out, drafted, accepted = speculate(VerifyEngine(target), ModelDrafter(draft), prompt, params, 4)
@@ -114,6 +115,7 @@ def test_draft_sessions_copy_a_shared_prompt_prefix_from_live_and_finished_ones(
 @pytest.mark.parametrize("dtype, device, message", [
     ("int4", "cpu", "dtype must be one of"),
     ("int8", "cuda", "CPU only"),
+    ("float16", "cpu", "GPU only"),
 ])
 def test_bad_dtype_is_refused(tiny_pair, dtype, device, message):
     with pytest.raises(ValueError, match=message):
@@ -184,3 +186,5 @@ def test_packing_swaps_float32_linears_only(tiny_pair, tmp_path):
     assert torch.allclose(tied.forward([5, 6, 7], a), tied_stock.forward([5, 6, 7], b), atol=1e-4)
     int8 = CausalLM(str(tiny_pair[1]), dtype="int8")
     assert not int8.packed and PackedLinear not in {type(m) for m in int8.model.modules()}
+    bf16 = CausalLM(str(tiny_pair[1]), dtype="bfloat16")
+    assert bf16.packed and torch.nn.Linear not in {type(m) for m in bf16.model.modules()}

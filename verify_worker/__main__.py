@@ -42,6 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_flags(parser, default_port=50052, default_metrics_port=9091)
     add_model_flags(parser, default_model="qwen2.5-coder-1.5b-instruct", default_dtype="float32")
     add_flag(parser, "--max-proposal", default=MAX_PROPOSAL, type=int, help="largest k accepted per round")
+    add_flag(parser, "--batch-invariant", default=True, type=bool,
+             help="a token's logits do not depend on the other tokens of its pass (its proposal, other "
+                  "sessions), so speculation's output is the plain decoding's at every --dtype; off, "
+                  "sessions sharing a copied prompt prefix attend it once (faster under such load), and "
+                  "output may differ at near-ties (CPU kernels; on a GPU neither holds yet)")
     add_kv_flags(parser, default_tokens=32768)
     add_flag(parser, "--max-batch-tokens", default=512, type=int,
              help="most tokens (all sessions' proposals and prefill chunks) in one batched forward pass")
@@ -75,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
     def load() -> CausalLM:
         model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
                          kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20,
-                         packed_gemm=args.packed_gemm)
+                         packed_gemm=args.packed_gemm, batch_invariant=args.batch_invariant)
         if args.calibrate:
             model.calibrate(args.max_proposal + 1)
             model.calibrate_passes(args.max_batch_tokens)     # the speculation price's cost curve
@@ -83,11 +88,10 @@ async def main(args: argparse.Namespace) -> None:
 
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     model = engine.model
-    if args.dtype != "float32":
-        # Only float32 is measured lossless against this worker's plain decoding; see docs/not-done.md.
-        log.warning("--dtype %s: a token's logits may depend on the other rows of its pass (its proposal, other "
-                    "sessions), so greedy output with speculation can differ from plain decoding at near-ties",
-                    args.dtype)
+    if not (args.batch_invariant and args.packed_gemm and args.device.startswith("cpu")):
+        log.warning("batch invariance is off (--no-batch-invariant, --no-packed-gemm or a GPU): a token's logits "
+                    "may depend on the other rows of its pass, so greedy output with speculation can differ "
+                    "from plain decoding at near-ties")
     head = None
     if args.head:
         try:

@@ -4,6 +4,13 @@ A batched forward pass feeds the new tokens of many sessions as one flat sequenc
 linear layers see them all at once, and `pool_attention` (registered with transformers as the
 "tandem_pool" attention when this module is imported) attends each session's queries to that
 session's keys only.
+
+A batch-invariant pass (the target's; see tandem/engine/gemm.py for the linear layers) attends
+every new token in a call of its own: its query heads against its own keys, exactly as when it
+is decoded alone, whichever other tokens of its session or of other sessions share the pass. The
+other passes attend a session's new tokens together under a causal mask, and sessions whose runs
+begin with copies of one prompt prefix read that prefix once (`Shared`): faster, but a token's
+logits then depend on the other rows of its call in the last bits.
 """
 
 from __future__ import annotations
@@ -27,6 +34,14 @@ class Segment:
     keys: torch.Tensor   # [layers, 1, Hkv, positions, D]: a view of the session's run, every layer
     values: torch.Tensor
     mask: torch.Tensor | None    # [n, positions] additive causal mask; None when n == 1
+
+
+@dataclass
+class Row:
+    """A new token attending alone: its own keys, in order (a run of the pool, or a tree node's
+    committed positions and ancestors gathered)."""
+    at: int                              # its place in the flat sequence
+    slots: slice | torch.Tensor
 
 
 @dataclass
@@ -75,6 +90,7 @@ class ForwardBatch:
     segments: list[Segment]      # sessions attended alone
     shared: list[Shared]
     order: torch.Tensor | None   # flat index -> place in the computed output, None when the same
+    rows: list[Row]              # batch-invariant: every new token alone, in flat order (nothing else)
 
     MIN_SHARED = 16              # a shorter common prefix is attended per session
     SHORT = 32                   # sessions feeding more new tokens (prefill chunks) attend alone
@@ -82,10 +98,13 @@ class ForwardBatch:
     # each session attends alone.
 
     @classmethod
-    def build(cls, pool: KVPool, parts: list[tuple]) -> ForwardBatch:
+    def build(cls, pool: KVPool, parts: list[tuple], invariant: bool = False) -> ForwardBatch:
         """parts: (start slot, past length, new tokens, the cache's prefix_key, tree) per session,
         in flat-sequence order; tree: None, or the new tokens' parents (tandem.speculation.tree),
-        which then attend alone."""
+        which then attend alone. invariant: every new token attends in a call of its own."""
+        if invariant:
+            return cls(pool, torch.tensor([s for p in parts for s in range(p[0] + p[1], p[0] + p[1] + p[2])],
+                                          device=pool.keys.device), [], [], None, _rows(parts, pool.keys.device))
         slots, offsets, by_source = [], [], {}
         for i, (start, past, n, (source, shared), tree) in enumerate(parts):
             slots.extend(range(start + past, start + past + n))
@@ -128,7 +147,22 @@ class ForwardBatch:
             order = torch.empty(len(place), dtype=torch.long)
             order[torch.tensor(place)] = torch.arange(len(place))
         return cls(pool, torch.tensor(slots, device=pool.keys.device), [segment(i) for i in alone],
-                   shared, order)
+                   shared, order, [])
+
+
+def _rows(parts: list[tuple], device) -> list[Row]:
+    """Each new token of each session, attending its session's positions up to its own, or, in a
+    tree, the committed positions and its ancestors."""
+    rows: list[Row] = []
+    for start, past, n, _, tree in parts:
+        if tree is None:
+            rows.extend(Row(len(rows), slice(start, start + past + i + 1)) for i in range(n))
+            continue
+        committed = torch.arange(start, start + past)
+        for a, mine in enumerate(ancestors_mask(tree)):
+            own = start + past + mine.nonzero().flatten()
+            rows.append(Row(len(rows), torch.cat([committed, own]).to(device)))
+    return rows
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -142,6 +176,8 @@ def pool_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     layer = module.layer_idx
     batch.pool.keys[layer].index_copy_(1, batch.slots, key[0])
     batch.pool.values[layer].index_copy_(1, batch.slots, value[0])
+    if batch.rows:
+        return _attend_rows(batch, layer, query, scaling), None
     gqa = query.shape[1] != key.shape[1]
     out = [F.scaled_dot_product_attention(query[:, :, s.new], s.keys[layer], s.values[layer], attn_mask=s.mask,
                                           scale=scaling, enable_gqa=gqa) for s in batch.segments]
@@ -164,6 +200,22 @@ def pool_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if batch.order is not None:
         out = out.index_select(2, batch.order)
     return out.transpose(1, 2), None
+
+
+def _attend_rows(batch: ForwardBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Each new token in a call of its own, the query heads of one key head as the rows of its
+    call (no mask: the token attends all of its keys). [1, T, Hq, D]."""
+    keys, values = batch.pool.keys[layer], batch.pool.values[layer]          # [Hkv, slots, D]
+    hq, hkv, d = query.shape[1], keys.shape[0], query.shape[3]
+    out = []
+    for r in batch.rows:
+        q = query[0, :, r.at].reshape(1, hkv, hq // hkv, d)
+        if isinstance(r.slots, slice):
+            k, v = keys[None, :, r.slots], values[None, :, r.slots]
+        else:
+            k, v = keys.index_select(1, r.slots)[None], values.index_select(1, r.slots)[None]
+        out.append(F.scaled_dot_product_attention(q, k, v, scale=scaling).reshape(1, 1, hq, d))
+    return torch.cat(out, dim=1)
 
 
 AttentionInterface.register(ATTENTION, pool_attention)

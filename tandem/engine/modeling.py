@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,23 +26,29 @@ def resolve(spec: str) -> Path:
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
-def load_weights(path: Path, dtype: str, device: str):
-    """The model in `dtype` on `device`. int8 is dynamic quantization of every Linear layer (int8
-    weights, activations quantized per call): CPU only, several times faster per decode step than
-    float32 (see docs/benchmarks.md, "Measurements behind the code's rules"), and meant for drafts,
-    whose precision never changes the output (the target decides)."""
+def dtype_problem(dtype: str, device: str) -> str | None:
+    """Why a model cannot run at `dtype` on `device` (None when it can)."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
     if dtype == "int8" and not device.startswith("cpu"):
-        raise ValueError("dtype int8 (dynamic quantization) runs on the CPU only; use bfloat16 on "
-                         f"{device}")
+        return f"dtype int8 runs on the CPU only (its kernels are); use bfloat16 on {device}"
+    if dtype == "float16" and device.startswith("cpu"):
+        return ("dtype float16 runs on a GPU only (the CPU has no float16 kernel here that keeps a row's "
+                "result independent of its batch); use bfloat16 or int8 on the CPU")
+    return None
+
+
+def load_weights(path: Path, dtype: str, device: str):
+    """The model in `dtype` on `device`. int8 is every Linear layer's weights and inputs in int8,
+    each with scales of its own rows (tandem.engine.gemm), the rest in float32: CPU only, and like
+    every precision here a row's result does not depend on the other rows of its pass."""
+    problem = dtype_problem(dtype, device)
+    if problem:
+        raise ValueError(problem)
     load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     if dtype == "int8":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
-            # in place, so no float32 copy of the weights stays alive beside the int8 one
-            torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        gemm.quantize_linears(model)
     return model
 
 
@@ -51,22 +56,26 @@ class CausalLM:
     """A transformers causal LM in inference mode on one device, with the KV pool of its sessions.
 
     `kv_tokens`: the pool's size in token positions, all sessions together, allocated up front;
-    `kv_bytes`, when given, sizes it in bytes instead."""
+    `kv_bytes`, when given, sizes it in bytes instead. `batch_invariant`: a token's logits are the
+    same whichever other tokens share its pass (tandem.engine.attention; the linear layers are so
+    at every precision, tandem.engine.gemm), as a target's must be for speculation to be lossless;
+    a draft runs faster without."""
 
     def __init__(self, spec: str, device: str = "cpu", threads: int | None = None,
                  dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0,
-                 packed_gemm: bool = True) -> None:
+                 packed_gemm: bool = True, batch_invariant: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
         start = time.monotonic()
         self.model = load_weights(self.path, dtype, device)
         self.model.set_attn_implementation(ATTENTION)
-        # float32 on the CPU only: int8 has its own kernels, and GPUs do not need it
+        # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
         self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model) > 0
         self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
         self.device = device
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
         self.padded_length: dict[int, int] = {}
         self.forward_ms: list[float] = []         # [i]: one forward pass of i+1 new tokens, padded as above
@@ -139,7 +148,7 @@ class CausalLM:
             else:
                 positions.extend(cache.length - 1 + d for d in depths(tree))
             parts.append((cache.start, cache.length, n, cache.prefix_key(), tree))
-        batch = ForwardBatch.build(self.pool, parts)
+        batch = ForwardBatch.build(self.pool, parts, self.batch_invariant)
         out = self.model(input_ids=torch.tensor([ids], device=self.device),
                          position_ids=torch.tensor([positions], device=self.device), use_cache=False,
                          logits_to_keep=torch.tensor(keep, device=self.device), tandem_batch=batch,

@@ -73,6 +73,10 @@ def check_worker_flags(args: argparse.Namespace) -> None:
     tls_from_args(args)
     if not args.heartbeat_seconds > 0:
         raise SystemExit(f"--heartbeat-seconds must be > 0, got {args.heartbeat_seconds}")
+    from tandem.engine.modeling import dtype_problem
+    problem = dtype_problem(args.dtype, args.device)
+    if problem:
+        raise SystemExit(f"--dtype: {problem}")
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +92,8 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
     add_flag(parser, "--model", default=default_model,
              help="preset name, Hugging Face folder or .gguf file")
     add_flag(parser, "--dtype", default=default_dtype,
-             help="float32, bfloat16, float16, or int8 (dynamic quantization, CPU only)")
+             help="float32, bfloat16, float16 (GPU only), or int8 (weights and each row of inputs in "
+                  "int8, CPU only)")
     add_flag(parser, "--threads", default=2, type=int, help="torch intra-op threads")
     add_flag(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_flag(parser, "--calibrate", default=True, type=bool,
@@ -96,8 +101,9 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
                   "inputs to a longer length where that is faster; the verify worker also times passes "
                   "of 1, 2, 4, ... sessions, the speculation price's cost curve")
     add_flag(parser, "--packed-gemm", default=True, type=bool,
-             help="float32 on the CPU: run Linear layers in oneDNN on weights packed at start-up instead of "
-                  "torch's stock kernel (a tied output layer gets its own packed copy)")
+             help="float32 and bfloat16 on the CPU: run Linear layers in oneDNN on weights packed at start-up "
+                  "instead of torch's stock kernel, which is not batch-invariant (a tied output layer gets its "
+                  "own packed copy)")
 
 
 def add_kv_flags(parser: argparse.ArgumentParser, default_tokens: int) -> None:
