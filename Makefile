@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | train-head | image | deploy-check
+#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees image deploy-check image-check clean
+.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,7 @@ soak: setup
 
 bench: setup
 	$(PY) -m bench.e2e
+	$(PY) -m bench.precision $(PRECISION_ARGS)
 
 # Train the block-drafter head for SmolLM2-135M-Instruct as shipped (tandem/head/trained/, docs/head.md):
 # about an hour on 2 CPU cores; HEAD_OUT keeps data, log and state (rerun to resume).
@@ -92,6 +93,12 @@ bench-topology: setup
 TREES_ARGS ?=
 bench-trees: setup
 	$(PY) -m bench.trees $(TREES_ARGS)
+
+# The peers section of `make bench`: the target at float32, bfloat16 and int8, plain and speculative,
+# beside llama.cpp built from its PyPI sources (bench/precision.py); PRECISION_ARGS=--quick for a smoke run.
+PRECISION_ARGS ?=
+bench-precision: setup
+	$(PY) -m bench.precision $(PRECISION_ARGS)
 
 # One image, three entry points; VARIANT=gpu (CUDA base) or cpu (slim). Needs a Docker engine.
 IMAGE ?= tandem
