@@ -395,11 +395,12 @@ def guided(tiny_pair, tiny_models, tmp_path_factory):
             Grammars(tok, model.vocab_size, model.eos_ids), tok(GUIDED_PROMPT).input_ids)
 
 
-def guided_exact(folder, tok, prompt: list[int], regex: str, temperature: float) -> dict[tuple, float]:
+def guided_exact(folder, tok, prompt: list[int], regex: str, temperature: float,
+                 dtype: torch.dtype = torch.float32) -> dict[tuple, float]:
     """The masked target's distribution of the first T tokens, from transformers and xgrammar alone."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     vocab, eos = model.config.vocab_size, model.config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=sorted(eos))
@@ -488,11 +489,27 @@ def test_guided_threshold_detects_four_percentage_points():
     assert bound(0.5, GUIDED_N) < 0.04
 
 
-@pytest.mark.parametrize("name", list(GUIDED_CONFIGS))
-def test_guided_speculative_matches_masked_target(guided, name, monkeypatch):
-    regex, k, bugs = GUIDED_CONFIGS[name]
+@pytest.fixture(scope="module")
+def guided_bfloat16(guided):
+    """`guided` with target and draft served in bfloat16."""
+    from tandem.engine.modeling import CausalLM
+    folder, tok, target, draft, grammars, prompt = guided
+    return (folder, tok, _Memo(CausalLM(str(folder), dtype="bfloat16")), _Memo(CausalLM(str(draft.lm.path), dtype="bfloat16")),
+            grammars, prompt)
+
+
+@pytest.mark.parametrize("name", [*GUIDED_CONFIGS, "choice at bfloat16"])
+def test_guided_speculative_matches_masked_target(guided, guided_bfloat16, name, monkeypatch):
+    """The configs above, and the first with the target served in bfloat16 against transformers
+    in bfloat16: its rows in a verify pass are its rows in plain decoding (batch invariance, which
+    `_Memo` assumes and tests/test_invariance.py proves), so the same statistic holds."""
+    at_bf16 = name.endswith("bfloat16")
+    regex, k, bugs = GUIDED_CONFIGS[name.split()[0]]
+    if at_bf16:
+        guided, bugs = guided_bfloat16, bugs[-1:]
     folder, tok, *_, prompt = guided
-    exact = guided_exact(folder, tok, prompt, regex, GUIDED_PARAMS.temperature)
+    exact = guided_exact(folder, tok, prompt, regex, GUIDED_PARAMS.temperature,
+                         torch.bfloat16 if at_bf16 else torch.float32)
     assert abs(sum(exact.values()) - 1) < 1e-5
     for pos in range(T):          # a real choice at every position, end-of-sequence among them
         assert len({c[pos] for c in exact}) >= (2 if pos == 0 else 5), (pos, exact)
