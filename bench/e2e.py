@@ -257,7 +257,7 @@ def main(argv=None) -> None:
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
         draft = AutoModelForCausalLM.from_pretrained(resolve(a.draft), dtype=torch.float32).eval()
         # the draft worker's own int8 weights (tandem.engine.modeling), so both sides run the same draft
-        draft_int8 = load_weights(resolve(a.draft), "int8", "cpu")
+        draft_int8 = load_weights(resolve(a.draft), "int8", "cpu", batch_invariant=False)
         hf_run(target, draft, tok, "warm up", 8)
         hf_run(target, draft_int8, tok, "warm up", 8)
         for prompt in PROMPTS[:a.prompts]:

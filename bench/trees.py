@@ -108,7 +108,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
         tok = load_tokenizer(a.target)
         target = AutoModelForCausalLM.from_pretrained(resolve(a.target), dtype=torch.float32).eval()
-        draft = load_weights(resolve(a.draft), "int8", "cpu")
+        draft = load_weights(resolve(a.draft), "int8", "cpu", batch_invariant=False)
         hf_run(target, draft, tok, "warm up", 8)
         for name, assistant in (("hf_plain", None), ("hf_assisted_int8", draft)):
             runs = [hf_run(target, assistant, tok, prompt, a.max_new_tokens) for prompt in PROMPTS[:a.prompts]]

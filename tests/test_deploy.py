@@ -407,7 +407,7 @@ def test_worker_dtypes_fit_their_device_and_the_kv_budget_is_set(charts, overlay
             assert env["TANDEM_DTYPE"] != "int8" or env["TANDEM_DEVICE"] == "cpu", (name, pool)
             assert env["TANDEM_CALIBRATE"] == "true", (name, pool)
         verify, draft = (env_of(docs, main_container(pools[p])) for p in ("verify", "draft"))
-        assert verify["TANDEM_DTYPE"] == "float32", name
+        assert verify["TANDEM_DTYPE"] == "bfloat16", name
         assert draft["TANDEM_DTYPE"] == ("int8" if draft["TANDEM_DEVICE"] == "cpu" else "bfloat16"), name
         assert int(verify["TANDEM_KV_BUDGET_TOKENS"]) == 32768, name
     docs = render_chart({"verify": {"kvBudgetTokens": 1048576, "calibrate": False, "dtype": "bfloat16"}})
@@ -415,6 +415,8 @@ def test_worker_dtypes_fit_their_device_and_the_kv_budget_is_set(charts, overlay
     assert (env["TANDEM_KV_BUDGET_TOKENS"], env["TANDEM_CALIBRATE"], env["TANDEM_DTYPE"]) == ("1048576", "false", "bfloat16")
     with pytest.raises(helm.HelmError, match="CPU only"):
         render_chart({"draft": {"gpu": {"count": 1}, "dtype": "int8"}})
+    with pytest.raises(helm.HelmError, match="GPU only"):
+        render_chart({"verify": {"dtype": "float16"}})
     with pytest.raises(helm.HelmValuesError, match="kvBudgetTokens"):
         render_chart({"verify": {"kvBudgetTokens": -1}})
 

@@ -11,17 +11,24 @@ other sessions' tokens): otherwise speculation, batching and load change the out
   behind the code's rules").
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
-  int8 recipe does), multiplied on PyTorch's own integer kernel (`torch._int_mm`). Integer sums
-  are exact in any order, and the scales are per row, so no other row can change a row's result.
-  Dynamic quantization (torch.ao) scales a call's activations over all its rows instead; weight-only
-  int8 (`_weight_int8pack_mm`) is invariant too but costs four times a step for a 9-token pass here
-  (docs/benchmarks.md, "The target's precision").
+  int8 recipe does), multiplied in integers by oneDNN on the weight packed once (PyTorch's
+  `onednn.qlinear_pointwise`, with an input scale of 1: the integer sums come back unscaled but
+  for the weight's scale). Integer sums are exact in any order, and the scales are per row, so no
+  other row can change a row's result; `torch._int_mm` gives the same numbers, two to four times
+  slower for 2 to 17 rows here.
+  Weight-only int8 (`_weight_int8pack_mm`) is invariant too but costs four times a step for a
+  9-token pass here (docs/benchmarks.md, "The target's precision").
+- int8 where invariance is not needed (a draft, whose numbers change only speed;
+  `quantize_linears(per_row=False)`): torch.ao's dynamic quantization, which scales a call's inputs
+  over all its rows, and is faster for calls of 2 to 4 rows here.
 
 tests/test_invariance.py proves both on the rows of real models. oneDNN sums in another order than
 torch's stock kernel, so packed logits differ from unpacked ones in the last bits.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -60,8 +67,9 @@ class PackedLinear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """int8 weights with a float32 scale per output row; each call's rows are quantized to int8 with
-    a scale of their own, multiplied in integers, and scaled back to the activations' dtype."""
+    """int8 weights with a float32 scale per output row, packed for oneDNN once; each call's rows
+    are quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero
+    point 128, oneDNN's layout), and scaled back to the activations' dtype."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -69,13 +77,17 @@ class Int8Linear(torch.nn.Module):
         with torch.no_grad():
             w = linear.weight.detach().float()
             self.scales = w.abs().amax(1).clamp(min=1e-12) / 127
-            self.int8 = torch.round(w / self.scales[:, None]).clamp_(-127, 127).to(torch.int8).t()  # [in, out]
+            int8 = torch.round(w / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.packed = torch.ops.onednn.qlinear_prepack(int8, None)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         scale = rows.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-        out = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.int8).float() * scale * self.scales
+        q = (torch.round(rows / scale) + 128).to(torch.uint8)
+        out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.scales, self.zero_points, None,
+                                                 1.0, 0, torch.float32, "none", [], "") * scale
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -107,10 +119,16 @@ def pack_linears(model: torch.nn.Module) -> int:
     return len(swaps)
 
 
-def quantize_linears(model: torch.nn.Module) -> int:
-    """Replaces every float32 nn.Linear of `model` on the CPU with an Int8Linear, in place;
-    returns how many. A tied output layer gets an int8 copy; the embedding stays as it is."""
+def quantize_linears(model: torch.nn.Module, per_row: bool = True) -> int:
+    """Replaces every float32 nn.Linear of `model` on the CPU with an int8 one, in place; returns
+    how many. per_row: Int8Linear (batch-invariant); else torch.ao's dynamic quantization. A tied
+    output layer gets an int8 copy; the embedding stays as it is."""
     swaps = _linears(model, (torch.float32,))
+    if not per_row:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
+            torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        return len(swaps)
     for parent, name, child in swaps:
         setattr(parent, name, Int8Linear(child))
     if swaps:

@@ -38,17 +38,18 @@ def dtype_problem(dtype: str, device: str) -> str | None:
     return None
 
 
-def load_weights(path: Path, dtype: str, device: str):
+def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = True):
     """The model in `dtype` on `device`. int8 is every Linear layer's weights and inputs in int8,
-    each with scales of its own rows (tandem.engine.gemm), the rest in float32: CPU only, and like
-    every precision here a row's result does not depend on the other rows of its pass."""
+    the rest in float32 (CPU only): with scales of their own rows when `batch_invariant`, so that
+    like every precision here a row's result does not depend on the other rows of its pass, else
+    with a scale per call (tandem.engine.gemm)."""
     problem = dtype_problem(dtype, device)
     if problem:
         raise ValueError(problem)
     load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     if dtype == "int8":
-        gemm.quantize_linears(model)
+        gemm.quantize_linears(model, per_row=batch_invariant)
     return model
 
 
@@ -68,7 +69,7 @@ class CausalLM:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
         start = time.monotonic()
-        self.model = load_weights(self.path, dtype, device)
+        self.model = load_weights(self.path, dtype, device, batch_invariant)
         self.model.set_attn_implementation(ATTENTION)
         # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
         self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model) > 0
