@@ -159,7 +159,7 @@ def _rows(parts: list[tuple], device) -> list[Row]:
             rows.extend(Row(len(rows), slice(start, start + past + i + 1)) for i in range(n))
             continue
         committed = torch.arange(start, start + past)
-        for a, mine in enumerate(ancestors_mask(tree)):
+        for mine in ancestors_mask(tree):
             own = start + past + mine.nonzero().flatten()
             rows.append(Row(len(rows), torch.cat([committed, own]).to(device)))
     return rows
