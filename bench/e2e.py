@@ -35,7 +35,7 @@ from bench.guided import guided, mask_costs, print_guided
 from bench.head import head_section, print_head
 from bench.params import parameters, print_parameters
 from bench.router import print_router, router_section
-from bench.report import machine, summarize, timed_generate, write_json
+from bench.report import fill_defaults, machine, summarize, timed_generate, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -193,9 +193,7 @@ def main(argv=None) -> None:
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
     a = p.parse_args(argv)
-    for key, value in (QUICK if a.quick else FULL).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    fill_defaults(a, QUICK, FULL)
     sections = {"overhead"} if a.skip_models else set(a.only or SECTIONS)
 
     result: dict = {"machine": machine(), "sections": [s for s in SECTIONS if s in sections]}

@@ -25,8 +25,6 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import logging
 import os
@@ -36,10 +34,9 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from tandem.presets import cache_dir
+from tandem.presets import cache_dir, locked
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +75,7 @@ def build() -> Path | None:
         logger.warning("llama.cpp: cannot build, %s not installed (apt-get install cmake build-essential)",
                        " and ".join(missing))
         return None
-    with _locked("build"):
+    with locked("llamacpp-build"):
         if _built(bin_dir):
             return bin_dir
         try:
@@ -132,7 +129,7 @@ def gguf(model_dir: Path, outtype: str) -> Path:
     out = root() / "models" / f"{model_dir.name}-{outtype}.gguf"
     if out.is_file():
         return out
-    with _locked(f"gguf-{out.stem}"):
+    with locked(f"llamacpp-{out.stem}"):
         if out.is_file():
             return out
         src = sources()
@@ -230,16 +227,3 @@ def _converter_deps() -> Path:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                         "--target", str(deps), "sentencepiece"], check=True)
     return deps
-
-
-@contextlib.contextmanager
-def _locked(key: str) -> Iterator[None]:
-    """Exclusive lock so concurrent processes do not build or convert the same thing twice."""
-    locks = root() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{key}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -70,7 +70,7 @@ import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.report import machine, write_json
+from bench.report import fill_defaults, machine, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -481,9 +481,7 @@ def main(argv=None) -> None:
     p.add_argument("--sample-seconds", type=float, default=0.5, help="metrics and RSS sampling interval")
     p.add_argument("--out", default="bench/results/load.json")
     a = p.parse_args(argv)
-    for k, v in (QUICK if a.quick else FULL).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill_defaults(a, QUICK, FULL)
 
     rows = []
     for pair, levels in (("smollm", a.levels), ("qwen", "" if a.skip_qwen else a.qwen_levels)):

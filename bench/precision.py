@@ -25,7 +25,7 @@ import time
 import grpc
 
 from bench.e2e import PROMPTS
-from bench.report import machine, timed_generate, write_json
+from bench.report import fill_defaults, machine, timed_generate, write_json
 from tandem.client import build_request
 from tandem.engine.modeling import load_tokenizer, resolve
 from tandem.launch import Stack
@@ -90,9 +90,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/precision.json")
     a = p.parse_args(argv)
-    for key, value in (QUICK if a.quick else FULL).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    fill_defaults(a, QUICK, FULL)
     prompts = PROMPTS[:a.prompts]
     result = {"machine": machine(), "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
                                                                          "max_new_tokens", "dtypes")}}

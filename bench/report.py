@@ -18,6 +18,13 @@ def machine() -> dict:
             "torch": torch.__version__}
 
 
+def fill_defaults(args, quick: dict, full: dict) -> None:
+    """Each option left unset (None) takes its value from `quick` when --quick was given, else from `full`."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def write_json(path: str, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))

@@ -47,7 +47,7 @@ import grpc
 
 from bench.e2e import PROMPTS
 from bench.load import PAIRS, cpu_seconds, fmt, scrape
-from bench.report import machine, write_json
+from bench.report import fill_defaults, machine, write_json
 from tandem.client import build_request
 from tandem.cpus import cpu_sets, parse_cpu_list
 from tandem.launch import Stack
@@ -290,9 +290,7 @@ def main(argv=None) -> None:
     p.add_argument("--other-cpus", default="1", help="CPU list of the gateways, split draft workers, this client")
     p.add_argument("--out", default="bench/results/topology.json")
     a = p.parse_args(argv)
-    for k, v in (QUICK if a.quick else FULL).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill_defaults(a, QUICK, FULL)
     pairs = list(PAIRS) if "all" in a.pair else list(dict.fromkeys(a.pair))
     a.streams = [int(s) for s in str(a.streams).split(",")]
     a.delays = [float(d) for d in a.delays.split(",") if d.strip()]

@@ -28,7 +28,7 @@ import torch
 from bench.e2e import PROMPTS, hf_run
 from bench.load import PROMPTS as EDITS
 from bench.load import scrape
-from bench.report import machine, timed_generate, write_json
+from bench.report import fill_defaults, machine, timed_generate, write_json
 from tandem.client import build_request
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -91,9 +91,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/trees.json")
     a = p.parse_args(argv)
-    for key, value in (QUICK if a.quick else FULL).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    fill_defaults(a, QUICK, FULL)
     streams, methods = [int(s) for s in a.streams.split(",")], a.methods.split(",")
     result = {"machine": machine(), "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
                                                                          "max_new_tokens", "streams", "methods")}}

@@ -131,7 +131,7 @@ def resolve_model(spec: str | os.PathLike[str]) -> Path:
         return Path(text)
     if path.is_file() and path.suffix.lower() == ".gguf":
         key = f"gguf-{path.stem}-{path.stat().st_size}"
-        with _locked(key):
+        with locked(key):
             return _convert_once(key, path)
     raise ValueError(
         f"unknown model {text!r}: expected one of the presets {', '.join(PRESETS)}, "
@@ -187,7 +187,7 @@ def _resolve_preset(preset: Preset) -> Path:
     final = cache_dir() / "models" / preset.name
     if _is_complete(final):
         return final
-    with _locked(preset.name):
+    with locked(preset.name):
         if _is_complete(final):  # another process finished while we waited
             return final
         work = cache_dir() / "downloads" / preset.name
@@ -208,8 +208,9 @@ def _is_complete(folder: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(key: str) -> Iterator[None]:
-    """Exclusive per-model lock so concurrent processes do not convert the same model twice."""
+def locked(key: str) -> Iterator[None]:
+    """An exclusive lock in the cache, per key, so that concurrent processes do not fetch, convert
+    or build the same thing twice."""
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{key}.lock", "w") as handle:
