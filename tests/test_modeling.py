@@ -188,3 +188,7 @@ def test_packing_swaps_float32_linears_only(tiny_pair, tmp_path):
     assert not int8.packed and PackedLinear not in {type(m) for m in int8.model.modules()}
     bf16 = CausalLM(str(tiny_pair[1]), dtype="bfloat16")
     assert bf16.packed and torch.nn.Linear not in {type(m) for m in bf16.model.modules()}
+    # invariant only on the packed or per-row int8 kernels, and when asked for
+    assert packed.invariant and int8.invariant and bf16.invariant and not stock.invariant
+    assert CausalLM(str(tiny_pair[1]), dtype="int8", packed_gemm=False).invariant
+    assert not CausalLM(str(tiny_pair[1]), batch_invariant=False).invariant

@@ -102,12 +102,12 @@ class ForwardBatch:
         """parts: (start slot, past length, new tokens, the cache's prefix_key, tree) per session,
         in flat-sequence order; tree: None, or the new tokens' parents (tandem.speculation.tree),
         which then attend alone. invariant: every new token attends in a call of its own."""
+        slots = torch.tensor([s for start, past, n, *_ in parts for s in range(start + past, start + past + n)],
+                             device=pool.keys.device)
         if invariant:
-            return cls(pool, torch.tensor([s for p in parts for s in range(p[0] + p[1], p[0] + p[1] + p[2])],
-                                          device=pool.keys.device), [], [], None, _rows(parts, pool.keys.device))
-        slots, offsets, by_source = [], [], {}
+            return cls(pool, slots, [], [], None, _rows(parts, pool.keys.device))
+        offsets, by_source = [], {}
         for i, (start, past, n, (source, shared), tree) in enumerate(parts):
-            slots.extend(range(start + past, start + past + n))
             offsets.append(offsets[-1] + parts[i - 1][2] if i else 0)
             # Grouped by prefix and by new tokens: a group pads every member's queries to its
             # longest, so one long proposal among single tokens would make the whole group pay for
@@ -146,8 +146,7 @@ class ForwardBatch:
             place = [j for i in computed for j in range(offsets[i], offsets[i] + parts[i][2])]
             order = torch.empty(len(place), dtype=torch.long)
             order[torch.tensor(place)] = torch.arange(len(place))
-        return cls(pool, torch.tensor(slots, device=pool.keys.device), [segment(i) for i in alone],
-                   shared, order, [])
+        return cls(pool, slots, [segment(i) for i in alone], shared, order, [])
 
 
 def _rows(parts: list[tuple], device) -> list[Row]:

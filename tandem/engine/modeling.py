@@ -90,6 +90,12 @@ class CausalLM:
                  spec, dtype, ", packed GEMM" if self.packed else "", self.path, time.monotonic() - start,
                  self.vocab_size, self.max_context, self.eos_ids, self.pool.slots, self.pool.nbytes / 2**20)
 
+    @property
+    def invariant(self) -> bool:
+        """Whether a token's logits are the same whichever tokens share its pass: asked for, and
+        every Linear layer on one of tandem.engine.gemm's CPU kernels (packed, or int8 per row)."""
+        return self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype == "int8")
+
     def new_cache(self, capacity: int = 64) -> SessionCache:
         """A session's cache with room for `capacity` positions (it grows when fed more).
         Raises KVPoolFull."""
