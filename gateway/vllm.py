@@ -377,22 +377,27 @@ async def _until(events: AsyncIterator, aborted: asyncio.Event) -> AsyncIterator
     worker call and frees its session)."""
     events = aiter(events)
     stop = asyncio.ensure_future(aborted.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
             if step not in done:
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await step           # the generator must be at rest before it is closed
                 yield None
                 return
             try:
-                yield step.result()
+                event = step.result()
             except StopAsyncIteration:
                 return
+            yield event
     finally:
+        # Also reached when the caller is cancelled (its client went away) during the wait: the
+        # generator must be at rest before it is closed, or closing it fails and its call lives on.
         stop.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await step
         await events.aclose()
 
 
