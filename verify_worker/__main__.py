@@ -89,7 +89,8 @@ async def main(args: argparse.Namespace) -> None:
     engine = VerifyEngine(await inference.run(load), max_proposal=args.max_proposal)
     model = engine.model
     if not model.invariant:
-        log.warning("batch invariance is off (--no-batch-invariant, --no-packed-gemm or a GPU): a token's logits "
+        log.warning("batch invariance is off (--no-batch-invariant, --no-packed-gemm, a GPU, or this CPU's kernels "
+                    "failed the start-up probe): a token's logits "
                     "may depend on the other rows of its pass, so greedy output with speculation can differ "
                     "from plain decoding at near-ties")
     head = None

@@ -48,6 +48,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
         raise ValueError(problem)
     load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
+    gemm.fuse_linears(model)
     if dtype == "int8":
         gemm.quantize_linears(model, per_row=batch_invariant)
     return model
@@ -77,6 +78,7 @@ class CausalLM:
         self.device = device
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.rows_alike = batch_invariant and gemm.rows_computed_alone(self.model)
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
         self.padded_length: dict[int, int] = {}
         self.forward_ms: list[float] = []         # [i]: one forward pass of i+1 new tokens, padded as above
@@ -92,9 +94,11 @@ class CausalLM:
 
     @property
     def invariant(self) -> bool:
-        """Whether a token's logits are the same whichever tokens share its pass: asked for, and
-        every Linear layer on one of tandem.engine.gemm's CPU kernels (packed, or int8 per row)."""
-        return self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype == "int8")
+        """Whether a token's logits are the same whichever tokens share its pass: asked for, every
+        Linear layer on one of tandem.engine.gemm's CPU kernels (packed, or int8 per row), and those
+        found at start to compute a row alike in calls of any size on this CPU."""
+        return (self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype == "int8")
+                and self.rows_alike)
 
     def new_cache(self, capacity: int = 64) -> SessionCache:
         """A session's cache with room for `capacity` positions (it grows when fed more).
