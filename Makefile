@@ -45,7 +45,7 @@ test-unit test-service test-system test-deploy: test-%: setup
 	$(PY) -m pytest -q -m $* $(PYTEST_ARGS) tests
 
 # The long runs `make test` leaves out: the hostile-request fuzz (tests/test_fuzz.py) with
-# FUZZ_EXAMPLES examples per strategy instead of 300, the Qwen pair at every precision
+# FUZZ_EXAMPLES examples per strategy instead of 150, the Qwen pair at every precision
 # (tests/test_precision_qwen.py), then the full soak (SOAK_SECONDS, below).
 FUZZ_EXAMPLES ?= 3000
 test-slow: setup

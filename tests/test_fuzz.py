@@ -42,7 +42,7 @@ from vllm_engine import vllm_engine_pb2 as vllm_pb
 
 # The in-process gateway draws from `random` (routing tie-breaks) while hypothesis runs its examples.
 pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies")
-EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "150"))
 PROPER = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 METHODS = {  # path -> (request class, server streaming)
