@@ -44,9 +44,10 @@ def available() -> bool:
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# The most rows oneDNN is given in one call, by dtype (none: any number). Where the CPU has AMX
-# tiles, bfloat16 calls of more than 32 rows take other kernels, each summing in its own order; up
-# to 32 every row is computed as if alone (tests/test_invariance.py).
+# The most rows oneDNN is given in one call by a batch-invariant layer, by dtype (none: any
+# number). Where the CPU has AMX tiles, bfloat16 calls of more than 32 rows take other kernels, each
+# summing in its own order; up to 32 every row is computed as if alone (tests/test_invariance.py).
+# It costs long inputs the AMX kernels' speed (docs/benchmarks.md, "The target's precision").
 ROWS_PER_CALL = {torch.bfloat16: 32}
 
 
@@ -62,19 +63,21 @@ def _unrows(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear, shared: bool = False) -> None:
-        """shared: the weight is also another module's (a tied output layer); keep referring to it."""
+    def __init__(self, linear: torch.nn.Linear, shared: bool = False, invariant: bool = True) -> None:
+        """shared: the weight is also another module's (a tied output layer); keep referring to it.
+        invariant: each row computed as if alone, at any number of rows (ROWS_PER_CALL)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.weight = linear.weight if shared else None
         self.dtype = linear.weight.dtype
+        self.rows_per_call = ROWS_PER_CALL.get(self.dtype) if invariant else None
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        block = ROWS_PER_CALL.get(flat.dtype, len(flat))
+        block = self.rows_per_call or len(flat)
         out = torch.cat([torch.ops.mkldnn._linear_pointwise(_rows(part), self.packed, self.bias, "none", [], "")
                          for part in flat.split(block)])
         return _unrows(out, x)
@@ -208,14 +211,14 @@ def _detach_from_file(model: torch.nn.Module) -> None:
             p.data = p.data.clone()
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replaces every float32 or bfloat16 nn.Linear of `model` on the CPU with a PackedLinear, in
-    place; returns how many. The originals are freed, except where another module shares the weight
+def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
+    """Replaces every float32 or bfloat16 nn.Linear of `model` on the CPU with a PackedLinear
+    (batch-invariant or not), in place; returns how many. The originals are freed, except where another module shares the weight
     (a tied output layer keeps the embedding's), so memory grows by at most that one matrix."""
     swaps = _linears(model, PACKED_DTYPES)
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, shared=id(child.weight) in others))
+        setattr(parent, name, PackedLinear(child, id(child.weight) in others, invariant))
     if swaps:
         _detach_from_file(model)
     return len(swaps)

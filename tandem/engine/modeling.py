@@ -73,7 +73,7 @@ class CausalLM:
         self.model = load_weights(self.path, dtype, device, batch_invariant)
         self.model.set_attn_implementation(ATTENTION)
         # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
-        self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model) > 0
+        self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model, batch_invariant) > 0
         self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
         self.device = device
         self.dtype = dtype
