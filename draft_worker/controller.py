@@ -29,6 +29,13 @@ of a proposal is worth its place only if the chance that the target accepts the 
 j exceeds that price, so k is cut to the positions whose measured acceptance does. At low load the
 price is near 0 and nothing is cut; when the verify worker is saturated it nears 1 and proposals
 stop, which is why speculation no longer slows a busy worker down.
+
+A session alone in its passes pays for its own positions: each one adds the pass's marginal time
+per position, which costs as many tokens as a plain step makes in that time. So a position must
+also be accepted more often than that share of a plain step (`own_price`, from the verify worker's
+calibrated pass lengths). Where a pass's cost is flat (a GPU) it is near 0; where the target's own
+step is cheap against its extra positions (int8 on a CPU) it cuts proposals that are rarely
+accepted, and the trial rounds of a drafter that keeps missing.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ class _Rate:
 
 class SpeculationController:
     def __init__(self, plain_ms: float, decay: float = 0.8, backoff: int = 4, max_backoff: int = 64,
-                 prior: dict | None = None, price: float = 0.0) -> None:
-        """plain_ms: one plain decode round as the verify worker measured it (the prior for plain).
+                 prior: dict | None = None, price: float = 0.0, position_ms: float = 0.0) -> None:
+        """plain_ms: one plain decode round as the verify worker measured it (the prior for plain);
+        position_ms: what each proposed position adds to that pass.
         prior: the acceptance of this drafter's recent proposals across sessions by kind, which a
         session starts from (weighing 4 proposals) and adds its own to; price: the verify worker's
         token_cost when the session opened."""
@@ -63,6 +71,7 @@ class SpeculationController:
         self.kind = None                 # of the last proposal fitted
         self.probe = False               # this round tries one position even if none pays
         self.price = price               # the verify worker's last token_cost
+        self.own_price = max(0.0, position_ms) / plain_ms if plain_ms > 0 else 0.0
         self.speculative, self.plain = _Rate(decay), _Rate(decay)
         self.plain.add(1, plain_ms / 1000)
         self.min_backoff, self.max_backoff = backoff, max_backoff
@@ -70,6 +79,12 @@ class SpeculationController:
         self.plain_rounds_left = 0
         self.trial = False
         self.opening = True              # the first round is plain: see choose
+
+    @property
+    def position_price(self) -> float:
+        """What a proposed position must be accepted more often than: the verify worker's price
+        (its cost to the other sessions of the pass), or this session's own when higher."""
+        return max(self.price, self.own_price)
 
     @property
     def survival(self) -> Survival:
@@ -104,10 +119,10 @@ class SpeculationController:
             self.trial = self.plain_rounds_left == 0
             return 0
         kinds = self._kinds()
-        worth = max(s.worth(k, self.price) for s in kinds)   # of the best kind
+        worth = max(s.worth(k, self.position_price) for s in kinds)   # of the best kind
         if self.trial:               # full k, but still only the positions that pay their price
             self.trial = False
-            if worth or any(s.hopeful(self.price) for s in kinds):
+            if worth or any(s.hopeful(self.position_price) for s in kinds):
                 self.probe = not worth
                 return max(1, worth)
             # Not even one position could pay (a busy worker): no probe, a longer plain run. Under
@@ -125,7 +140,7 @@ class SpeculationController:
         """How many of a drafted proposal's `proposed` positions to send: those its kind's
         acceptance says are worth their price (at least one on a probe round)."""
         self.kind = kind
-        worth = self._survival(kind).worth(proposed, self.price)
+        worth = self._survival(kind).worth(proposed, self.position_price)
         if self.probe and proposed:
             self.probe, worth = False, max(1, worth)
         return worth
@@ -190,4 +205,5 @@ def controller_for(verify_ms: list[float], prior: dict | None = None,
     """None (always propose the requested k) when the verify worker did not measure its costs."""
     if not verify_ms:
         return None
-    return SpeculationController(verify_ms[0], prior=prior, price=price)
+    position_ms = (verify_ms[-1] - verify_ms[0]) / (len(verify_ms) - 1) if len(verify_ms) > 1 else 0.0
+    return SpeculationController(verify_ms[0], prior=prior, price=price, position_ms=position_ms)

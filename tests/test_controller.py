@@ -100,10 +100,27 @@ def test_the_requested_k_is_never_exceeded_and_zero_stays_zero():
 
 def test_no_curve_no_controller():
     assert controller_for([]) is None
-    c = controller_for([PLAIN_MS, 900.0])
+    c = controller_for([PLAIN_MS, PLAIN_MS * 1.01])
     c.choose(5)
     c.observe(0, 1, 1.0)
     assert c.choose(5) == 5
+
+
+def test_alone_a_position_pays_for_its_own_share_of_the_pass():
+    """With no price from the verify worker (a session alone in its passes) a position still costs
+    the pass's marginal time: 5 ms a position against a 100 ms step is a twentieth of a token. A
+    drafter whose proposals are almost never accepted then proposes nothing and stops hoping, where
+    the same drafter under a flat curve (a GPU's) still sends every position."""
+    steep = controller_for([100.0, 105.0, 110.0, 115.0, 120.0])
+    flat = controller_for([100.0] * 5)
+    assert steep.own_price == pytest.approx(0.05) and flat.own_price == 0
+    for c in (steep, flat):
+        c.choose(4)
+        c.observe(0, 1, 0.1)                         # the opening round
+        for _ in range(60):
+            c.observe(4, 1, 0.1, accepted=0, price=0.0)
+    assert steep.fit(4) == 0 and not steep.survival.hopeful(steep.position_price)
+    assert flat.fit(4) == 4 and flat.survival.hopeful(flat.position_price)
 
 
 def test_price_cuts_proposals_to_the_positions_that_pay_for_themselves():
