@@ -68,8 +68,14 @@ def llama_rows(a, prompts: list[str]) -> dict | str:
     for precision in LLAMA.values():
         model = llamacpp.gguf(resolve(a.target), precision)
         for method, assistant in (("none", None), ("model", draft)):
-            runs = [llamacpp.generate(bin_dir, model, t, a.max_new_tokens, threads=a.threads, draft_gguf=assistant)
-                    for t in texts]
+            try:
+                runs = [llamacpp.generate(bin_dir, model, t, a.max_new_tokens, threads=a.threads,
+                                          draft_gguf=assistant) for t in texts]
+            except RuntimeError as e:                  # a peer's crash costs its row, not the run
+                rows[f"{precision}/{method}"] = {"error": str(e).splitlines()[0]}
+                print(f"  llama.cpp {precision:5s} {method:5s}: failed: {rows[f'{precision}/{method}']['error']}",
+                      flush=True)
+                continue
             tokens = sum(r["tokens"] for r in runs)
             rows[f"{precision}/{method}"] = {"tok_s": tokens / sum(r["tokens"] / r["gen_tokens_per_s"] for r in runs),
                                              "tokens": tokens, "texts": [r["text"] for r in runs]}
@@ -111,15 +117,19 @@ def main(argv=None) -> None:
         vs = f"{row['tok_s'] / peer['tok_s']:.2f}x" if peer else "–"
         print(f"| {engine} | {precision} | {method} | {row['tok_s']:.2f} | {vs} | {'yes' if same else 'NO'} |")
 
+    ran = {k: r for k, r in llama.items() if "error" not in r} if isinstance(llama, dict) else {}
     for dtype, rows in tandem.items():
-        peer = llama.get(f"{LLAMA[dtype]}/none") if isinstance(llama, dict) and dtype in LLAMA else None
+        peer = ran.get(f"{LLAMA[dtype]}/none") if dtype in LLAMA else None
         for method, row in rows.items():
             line("Tandem", dtype, method, row, rows["none"], peer)
-    if isinstance(llama, dict):
+    if ran:
         for key, row in llama.items():
             precision, method = key.split("/")
-            line("llama.cpp", precision, method, row, llama[f"{precision}/none"], llama[f"{precision}/none"])
-        best_llama = max(r["tok_s"] for r in llama.values())
+            if key not in ran or f"{precision}/none" not in ran:
+                print(f"| llama.cpp | {precision} | {method} | failed: {row.get('error', 'no plain row')} | – | – |")
+                continue
+            line("llama.cpp", precision, method, row, ran[f"{precision}/none"], ran[f"{precision}/none"])
+        best_llama = max(r["tok_s"] for r in ran.values())
         best_tandem = max(r["tok_s"] for rows in tandem.values() for r in rows.values())
         result["best_tandem_vs_best_llama_cpp"] = best_tandem / best_llama
         print(f"\nbest Tandem row against llama.cpp's best: {best_tandem / best_llama:.2f}x")
@@ -127,7 +137,7 @@ def main(argv=None) -> None:
         print(f"\nllama.cpp: {llama}")
     for problem in problems:
         print("WARNING:", problem)
-    for row in [r for rows in tandem.values() for r in rows.values()] + ([*llama.values()] if isinstance(llama, dict) else []):
+    for row in [r for rows in tandem.values() for r in rows.values()] + [*ran.values()]:
         del row["texts"]
     write_json(a.out, result)
 
