@@ -40,7 +40,7 @@ accepted, and the trial rounds of a drafter that keeps missing.
 
 from __future__ import annotations
 
-from tandem.speculation.survival import Survival
+from tandem.speculation.survival import Survival, position_ms
 
 
 class _Rate:
@@ -205,5 +205,4 @@ def controller_for(verify_ms: list[float], prior: dict | None = None,
     """None (always propose the requested k) when the verify worker did not measure its costs."""
     if not verify_ms:
         return None
-    position_ms = (verify_ms[-1] - verify_ms[0]) / (len(verify_ms) - 1) if len(verify_ms) > 1 else 0.0
-    return SpeculationController(verify_ms[0], prior=prior, price=price, position_ms=position_ms)
+    return SpeculationController(verify_ms[0], prior=prior, price=price, position_ms=position_ms(verify_ms))

@@ -115,19 +115,24 @@ def rows_computed_alone(model: torch.nn.Module) -> bool:
     computes that row alone, probed once per shape on random rows in calls of 2, 17 and 34 rows
     (either side of the sizes where kernels change). The kernels are chosen by the CPU oneDNN finds,
     so this is measured where the model runs rather than assumed from machines seen."""
+    sizes = (2, 17, 34)
+    rows = sorted({i for n in sizes for i in (0, 1, n // 2, n - 1)})
     generator = torch.Generator().manual_seed(0)
     probed = set()
     for layer in model.modules():
-        shape = (type(layer), getattr(layer, "dtype", torch.float32), layer.in_features, layer.out_features) \
-            if isinstance(layer, (PackedLinear, Int8Linear)) else None
-        if shape is None or shape in probed:
+        if not isinstance(layer, (PackedLinear, Int8Linear)):
+            continue
+        dtype = getattr(layer, "dtype", torch.float32)      # Int8Linear takes any float input
+        shape = (type(layer), dtype, layer.in_features, layer.out_features)
+        if shape in probed:
             continue
         probed.add(shape)
-        x = torch.randn(34, layer.in_features, generator=generator).to(shape[1])
+        x = torch.randn(max(sizes), layer.in_features, generator=generator).to(dtype)
         with torch.no_grad():
-            for n in (2, 17, 34):
+            alone = {i: layer(x[i:i + 1])[0] for i in rows}
+            for n in sizes:
                 together = layer(x[:n])
-                if not all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in {0, 1, n // 2, n - 1}):
+                if not all(torch.equal(together[i], alone[i]) for i in rows if i < n):
                     return False
     return True
 
@@ -213,8 +218,9 @@ def _detach_from_file(model: torch.nn.Module) -> None:
 
 def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
     """Replaces every float32 or bfloat16 nn.Linear of `model` on the CPU with a PackedLinear
-    (batch-invariant or not), in place; returns how many. The originals are freed, except where another module shares the weight
-    (a tied output layer keeps the embedding's), so memory grows by at most that one matrix."""
+    (batch-invariant or not), in place; returns how many. The originals are freed, except where
+    another module shares the weight (a tied output layer keeps the embedding's), so memory grows
+    by at most that one matrix."""
     swaps = _linears(model, PACKED_DTYPES)
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent, name, child in swaps:

@@ -63,3 +63,11 @@ def worth(reach: list[float], price: float) -> int:
     if price <= 0:
         return len(reach)
     return next((j for j, r in enumerate(reach) if r <= price), len(reach))
+
+
+def position_ms(forward_ms) -> float:
+    """What each proposed position adds to a verify pass, in ms: the slope of the verify worker's
+    calibrated pass time by length (forward_ms[i]: i + 1 positions); 0 without a curve."""
+    if len(forward_ms) < 2:
+        return 0.0
+    return max(0.0, (forward_ms[-1] - forward_ms[0]) / (len(forward_ms) - 1))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.speculation.survival import position_ms
+
 
 @dataclass(frozen=True)
 class TreeBudget:
@@ -43,8 +45,7 @@ class TreeBudget:
         verify worker's pass time by length) times the tokens per second the session gets (the
         tokens that time would have given). Where a pass costs the same for any length (a GPU),
         trees widen; where each position costs (a CPU), only likely nodes go."""
-        slope = (forward_ms[-1] - forward_ms[0]) / 1000 / (len(forward_ms) - 1) if len(forward_ms) > 1 else 0.0
-        own = max(0.0, slope) * tokens_per_second
+        own = position_ms(forward_ms) / 1000 * tokens_per_second
         return cls(min(k or max_proposal, max_proposal, context_left - 1), branches, max(cls.AT_LEAST, price, own))
 
 
