@@ -45,12 +45,13 @@ test-unit test-service test-system test-deploy: test-%: setup
 	$(PY) -m pytest -q -m $* $(PYTEST_ARGS) tests
 
 # The long runs `make test` leaves out: the hostile-request fuzz (tests/test_fuzz.py) with
-# FUZZ_EXAMPLES examples per strategy instead of 150, the Qwen pair at every precision
-# (tests/test_precision_qwen.py), then the full soak (SOAK_SECONDS, below).
+# FUZZ_EXAMPLES examples per strategy instead of 150, the tests marked `slow` (the Qwen pair at every
+# precision, tests/test_precision_qwen.py, and variants of tests make test keeps), then the full
+# soak (SOAK_SECONDS, below).
 FUZZ_EXAMPLES ?= 3000
 test-slow: setup
 	TANDEM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q --timeout 3600 $(PYTEST_ARGS) tests/test_fuzz.py
-	TANDEM_SLOW_TESTS=1 $(PY) -m pytest -q --timeout 3600 $(PYTEST_ARGS) tests/test_precision_qwen.py
+	TANDEM_SLOW_TESTS=1 $(PY) -m pytest -q --timeout 3600 -m slow $(PYTEST_ARGS) tests
 	$(PY) -m tests.soak --seconds $(SOAK_SECONDS)
 
 # Five minutes of concurrent clients, cancellations, deadlines and worker restarts (tests/soak.py).

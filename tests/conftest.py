@@ -11,7 +11,9 @@ from tandem.testing import build_tiny_pair
 torch.set_num_threads(1)
 
 # The test tiers (markers registered in pyproject.toml). Each test carries exactly one: a module-level
-# `pytestmark` where a file is one tier, a marker on each test where a file mixes them.
+# `pytestmark` where a file is one tier, a marker on each test where a file mixes them. A test also
+# marked `slow` is skipped unless TANDEM_SLOW_TESTS=1 (`make test-slow`), which keeps `make test`
+# near its time budget: the slow ones are variants of a test that stays in it.
 TIERS = ("unit", "service", "system", "deploy")
 
 
@@ -25,6 +27,11 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError(f"each test needs exactly one tier marker of {', '.join(TIERS)} "
                                 f"(tests/conftest.py):\n" + "\n".join(k + v for k, v in wrong.items()))
+    if os.environ.get("TANDEM_SLOW_TESTS") != "1":
+        skip = pytest.mark.skip(reason="slow: make test-slow runs it (TANDEM_SLOW_TESTS=1)")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

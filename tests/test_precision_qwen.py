@@ -4,7 +4,6 @@ the same tokens' logits are equal every way a pass can hold them, and greedy spe
 same worker's plain decoding. Several minutes on 2 cores: run by `make test-slow` (TANDEM_SLOW_TESTS=1),
 skipped otherwise."""
 
-import os
 
 import pytest
 import torch
@@ -17,8 +16,7 @@ from tests.local import reference, speculate
 from tests.test_invariance import CHAT, every_way
 from verify_worker.engine import VerifyEngine
 
-pytestmark = [pytest.mark.unit, pytest.mark.skipif(os.environ.get("TANDEM_SLOW_TESTS") != "1",
-                                                    reason="slow tier: make test-slow (TANDEM_SLOW_TESTS=1)")]
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 

@@ -22,7 +22,7 @@ def smollm():
     return CausalLM(PRESET, threads=2), load_tokenizer(PRESET)
 
 
-@pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", 8), ("model", 3)])
+@pytest.mark.parametrize("method,k", [pytest.param("ngram", 4, marks=pytest.mark.slow), ("ngram", 8), ("model", 3)])
 def test_real_model_greedy_is_lossless(smollm, method, k):
     model, tok = smollm
     engine = VerifyEngine(model)
