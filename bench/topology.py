@@ -24,7 +24,9 @@ one-token plain request per prompt leaves the target's KV for the row to copy (a
 prefills its own, as in service). Per run: tokens / wall, rounds (usage.verify_rounds), tokens per
 round, each worker's busy share of wall time (the rate of its tandem_inference_busy_seconds_total)
 and CPU seconds per wall second (/proc; n-gram drafting runs on the event loop, not the inference
-thread). Greedy outputs must equal plain's for the same prompt and streams: checked, loudly.
+thread), and the verify worker's pass time against what the same passes took at start-up, alone
+(tandem_verify_pass_seconds_total: measured over calibrated; above 1 where a draft worker on other
+cores of the same machine slows the target's passes, as one sharing its memory bus does). Greedy outputs must equal plain's for the same prompt and streams: checked, loudly.
 
     python -m bench.topology                 # both pairs, streams 1 and 4, every layout
     python -m bench.topology --quick         # SmolLM2 + n-gram, 2 prompts, 1 stream, 24 tokens
@@ -39,11 +41,13 @@ import math
 import os
 import statistics
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.e2e import PROMPTS
 from bench.load import PAIRS, cpu_seconds, fmt, scrape
@@ -54,6 +58,7 @@ from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 BUSY = "tandem_inference_busy_seconds_total"    # one inference thread per worker: one sample
+PASS = "tandem_verify_pass_seconds_total"       # by timing: measured, and at the start-up calibration's speed
 BASE = ("plain", "co-located", "split", "split-stream", "split-ahead")
 FULL = {"pair": ["smollm", "qwen"], "streams": "1,4", "prompts": len(PROMPTS), "max_new_tokens": 64}
 QUICK = {"pair": ["smollm"], "streams": "1", "prompts": 2, "max_new_tokens": 24}
@@ -128,7 +133,8 @@ def measure(stack: Stack, stub, layout: Layout, prompts: list[str], method: str,
     def seconds() -> dict[str, dict[str, float | None]]:
         return {"busy": {k: scrape(stack.metrics_url(name), "counter").get(BUSY) for k, name in procs.items()
                          if k != "gateway"},
-                "cpu": {k: cpu_seconds(stack.procs[name].pid) for k, name in procs.items()}}
+                "cpu": {k: cpu_seconds(stack.procs[name].pid) for k, name in procs.items()},
+                "pass": pass_seconds(stack.metrics_url("verify_worker"))}
 
     reqs = [build_request(p, chat=True, max_new_tokens=n, method=method) for p in prompts]
     before = seconds()
@@ -140,12 +146,25 @@ def measure(stack: Stack, stub, layout: Layout, prompts: list[str], method: str,
             return {"error": f"{e.code().name}: {e.details()}", "wall": time.perf_counter() - start}
         wall = time.perf_counter() - start
     after = seconds()
+    was, now = before.pop("pass"), after.pop("pass")
+    passes = {k: now[k] - v for k, v in was.items() if k in now}
     run = {key: sum(getattr(d.usage, field) for d in done) for key, field in (
         ("tokens", "generated_tokens"), ("rounds", "verify_rounds"), ("drafted", "draft_tokens"),
         ("accepted", "accepted_tokens"))}
-    return {"wall": wall, **run, "tok_s": run["tokens"] / wall, "texts": [d.text for d in done],
+    return {"wall": wall, **run, "tok_s": run["tokens"] / wall, "texts": [d.text for d in done], "pass_seconds": passes,
             **{kind: {k: (after[kind][k] - v) / wall if None not in (v, after[kind][k]) else None
                       for k, v in before[kind].items()} for kind in before}}
+
+
+def pass_seconds(url: str) -> dict[str, float]:
+    """The verify worker's forward-pass seconds so far by timing: measured, and calibrated (what the
+    same passes took at start-up, alone on its CPUs); {} without a calibrated curve."""
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return {}
+    return {s.labels["timing"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name + "_total" == PASS for s in fam.samples if s.name == PASS}
 
 
 def run_pair(pair: str, names: list[str], a) -> tuple[list[dict], dict[str, list[int]]]:
@@ -229,6 +248,8 @@ def summarize(runs: list[dict], names: list[str]) -> tuple[list[dict], list[dict
         wall, tokens, rounds, drafted, accepted = (sum(r[k] for r in rs)
                                                    for k in ("wall", "tokens", "rounds", "drafted", "accepted"))
 
+        measured, calibrated = (sum(r["pass_seconds"].get(k, 0.0) for r in rs) for k in ("measured", "calibrated"))
+
         def share(kind: str, proc: str) -> float | None:
             xs = [r[kind].get(proc) for r in rs]
             return sum(x * r["wall"] for x, r in zip(xs, rs)) / wall if None not in xs else None
@@ -240,6 +261,7 @@ def summarize(runs: list[dict], names: list[str]) -> tuple[list[dict], list[dict
                      "tokens": tokens, "rounds": rounds, "mean_accepted_length": tokens / rounds if rounds else None,
                      "acceptance": accepted / drafted if drafted else None,
                      "verify_busy": share("busy", "verify"), "draft_busy": share("busy", "draft"),
+                     "pass_slowdown": measured / calibrated if calibrated else None,
                      "cpu": {p: share("cpu", p) for p in ("verify", "draft", "gateway")},
                      "outputs_checked": checked, "outputs_equal_plain": same, "errors": errors})
     pairs = list(dict.fromkeys(r["pair"] for r in runs))
@@ -253,19 +275,20 @@ def times(x: dict | None, suffix: str = "x") -> str:
 
 def table(rows: list[dict]) -> str:
     out = ["| pair | streams | layout | tokens/s | median (min-max) | vs plain | vs co-located | rounds "
-           "| mean accepted length | acceptance | verify busy | draft busy | draft CPU | output = plain |",
-           "|" + " --- |" * 14]
+           "| mean accepted length | acceptance | verify busy | verify pass time vs start-up | draft busy | draft CPU "
+           "| output = plain |",
+           "|" + " --- |" * 15]
     for r in rows:
         if r["errors"]:
             out.append(f"| {r['pair']} | {r['streams']} | {r['layout']} | **FAILED** {len(r['errors'])} of "
-                       f"{len(r['errors']) + r['runs']} runs: {r['errors'][0]} |" + " |" * 10)
+                       f"{len(r['errors']) + r['runs']} runs: {r['errors'][0]} |" + " |" * 11)
             continue
         check = ("-" if not r["outputs_checked"] else f"{r['outputs_equal_plain']}/{r['outputs_checked']}"
                  + ("" if r["outputs_equal_plain"] == r["outputs_checked"] else " **MISMATCH**"))
         out.append(f"| {r['pair']} | {r['streams']} | {r['layout']} | {r['tok_s']:.2f} | {times(r['tok_s_runs'], '')} "
                    f"| {times(r['vs_plain'])} | {times(r['vs_colocated'])} | {r['rounds']} "
                    f"| {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance'], '.0%')} "
-                   f"| {fmt(r['verify_busy'], '.0%')} | {fmt(r['draft_busy'], '.0%')} "
+                   f"| {fmt(r['verify_busy'], '.0%')} | {fmt(r['pass_slowdown'], suffix='x')} | {fmt(r['draft_busy'], '.0%')} "
                    f"| {fmt(r['cpu']['draft'], '.0%')} | {check} |")
     return "\n".join(out)
 

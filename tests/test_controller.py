@@ -283,6 +283,21 @@ def test_with_a_calibrated_curve_a_position_costs_what_it_adds_to_a_pass_of_that
     assert TokenPrice(curve=[]).curve is None
 
 
+def test_a_pass_at_the_calibrated_speed_is_read_off_the_curve_between_and_beyond_its_sizes():
+    """What the verify worker counts as a pass's calibrated seconds (tandem_verify_pass_seconds_total,
+    against the measured ones: how much slower passes run than at start-up)."""
+    from verify_worker.price import TokenPrice
+    price = TokenPrice(curve=CURVE)
+    (s0, ms0), (s1, ms1) = CURVE[3:5]
+    middle = (s0 + s1) / 2
+    assert price.calibrated_seconds(middle) == pytest.approx((ms0 + ms1) / 2 / 1000)
+    assert price.calibrated_seconds(128 + 64) == pytest.approx(0.405)     # on at the last slope: 205 -> 305
+    for _ in range(5):
+        price.observe_pass(64, 0, 3 * 0.205, 64)        # slower passes do not move the curve itself
+    assert price.calibrated_seconds(64) == pytest.approx(0.205)
+    assert TokenPrice().calibrated_seconds(8) is None
+
+
 def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():
     """After many passes of 2 sessions, a pass of 64: its price is the slope times what plain
     decoding of 64 sessions gives per second, not of the recent passes' 2."""

@@ -61,7 +61,7 @@ class TokenPrice:
                 self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
         if self.curve:
             self._seen = self._seen * self.decay + seconds
-            self._expected = self._expected * self.decay + _interpolate(self.curve, round_tokens + prefill_tokens)
+            self._expected = self._expected * self.decay + self.calibrated_seconds(round_tokens + prefill_tokens)
         self._out = self._out * self.decay + self._pending
         self._busy = self._busy * self.decay + seconds
         self._pending = 0
@@ -84,6 +84,10 @@ class TokenPrice:
             m = [[self._xy[i] if j == col else a[i][j] for j in range(3)] for i in range(3)]
             solved.append(_det3(m) / det)
         return max(0.0, solved[0]), max(0.0, solved[1])
+
+    def calibrated_seconds(self, positions: int) -> float | None:
+        """A pass of `positions` at the speed measured at start-up (None without a curve)."""
+        return _interpolate(self.curve, positions) if self.curve else None
 
     @property
     def rate(self) -> float:

@@ -142,6 +142,10 @@ KV_USAGE = Gauge("tandem_verify_kv_cache_usage_ratio", "Used / budget, 0..1 (0 w
 EVICTIONS = Counter("tandem_verify_evictions", "Idle sessions whose KV was evicted to make room", registry=_NO)
 PREFILL_TOKENS = Counter("tandem_verify_prefill_tokens", "Prompt positions prefilled, by whether their KV was "
                          "computed or reused from the session's earlier turn", ["source"], registry=_NO)
+PASS_SECONDS = Counter("tandem_verify_pass_seconds", "Seconds of the target's forward passes as they ran "
+                       "(measured) and as the start-up calibration gives for their shapes (calibrated); "
+                       "the ratio of their rates is how much slower passes run now than at start, as when "
+                       "another process shares the memory bus", ["timing"], registry=_NO)
 VERIFY_SECONDS = Histogram("tandem_verify_forward_seconds", "Target time for one verify (or decode) round",
                            buckets=_STEP_BUCKETS, registry=_NO)
 
@@ -151,7 +155,7 @@ _OWNED = {
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
                      SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, PREPARED, TREE_ROUNDS, INFERENCE_BUSY, LINK_EVENTS],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
-                      PREFILL_TOKENS, VERIFY_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
+                      PREFILL_TOKENS, VERIFY_SECONDS, PASS_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
                       KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS, INFERENCE_BUSY],
     # what a verify worker with a trained head adds: it drafts too (method "head")
     "verify_worker_head": [PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
