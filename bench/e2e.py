@@ -153,10 +153,10 @@ def overhead(rounds_tokens: int = 96) -> dict:
 SECTIONS = ("overhead", "models", "params", "guided", "head", "router")
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2,
         "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1,
-        "head_heldout": 8, "head_max_new_tokens": 128}
+        "head_heldout": 8, "head_max_new_tokens": 128, "head_streams": 16}
 QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2,
          "guided_prompts": 1, "guided_max_new_tokens": 24, "guided_repeats": 1,
-         "head_heldout": 2, "head_max_new_tokens": 32}
+         "head_heldout": 2, "head_max_new_tokens": 32, "head_streams": 4}
 
 
 def main(argv=None) -> None:
@@ -189,6 +189,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-heldout", type=int, help=f"head: held-out prompts (default {FULL['head_heldout']})")
     p.add_argument("--head-max-new-tokens", type=int, help=f"head: per request (default {FULL['head_max_new_tokens']})")
     p.add_argument("--head", default="shipped", help="head: the verify worker's --head")
+    p.add_argument("--head-streams", type=int,
+                   help=f"head: concurrent requests of the under-load part, 0 to skip it (default {FULL['head_streams']})")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
@@ -242,7 +244,7 @@ def main(argv=None) -> None:
         mask_costs(result["guided"], a.target)
     if "head" in sections:      # its own stack: SmolLM2 and its shipped head, whatever --target says
         result["head"] = head_section(PROMPTS[:a.prompts], a.head_heldout, a.head_max_new_tokens, a.threads,
-                                      a.head, a.ngram_k)
+                                      a.head, a.ngram_k, a.head_streams)
     if "router" in sections:    # its own stack too: SmolLM2 with n-gram drafting, SMG in front
         result["router"] = router_section(PROMPTS[:a.prompts], a.head_max_new_tokens, a.threads)
     if "models" in sections:

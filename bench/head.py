@@ -9,6 +9,10 @@ bench's own code prompts (bench/e2e.py PROMPTS) and held-out prompts of tandem/h
 acceptance and mean accepted length come from the responses' Usage; outputs are compared with
 `none`'s. The verify worker serves all three (n-gram drafting comes from a model-free draft worker).
 
+Then the same methods under load: `streams` requests at once (the held-out and bench prompts in
+turn), each method's batch in turn, the order reversed every other pass: tokens/s is all the
+batch's tokens over its wall time, and each output is compared with `none`'s for its prompt.
+
 Then, in this process with the service stopped, on the held-out prompts: the head's cost per round
 (one head pass over its block, and the verify pass of the positions it proposes, both timed on the
 serving engine) and the confidence head's calibration: every round verifies the whole block, and
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -42,7 +47,7 @@ def prompt_sets(bench_prompts: list[str], heldout: int) -> dict[str, list[str]]:
 
 
 def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, threads: int,
-                 head: str = "shipped", ngram_k: int = 16) -> dict:
+                 head: str = "shipped", ngram_k: int = 16, streams: int = 16, passes: int = 2) -> dict:
     print("head:", flush=True)
     sets = prompt_sets(bench_prompts, heldout)
     runs: dict[str, dict[str, list]] = {name: {m: [] for m in METHODS} for name in sets}
@@ -59,7 +64,9 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
                     assert r.usage.draft_method == method, (method, r.usage.draft_method)
                     runs[name][method].append(run)
                     print(f"  {name:8s} {method:6s} {run['tok_s']:6.2f} tok/s", flush=True)
-    result = {"target": TARGET, "head": head, "max_new_tokens": max_new_tokens, "prompts": sets, "sets": {}}
+        loaded = under_load(stub, sets["heldout"] + sets["bench"], streams, passes, max_new_tokens, ngram_k) if streams else None
+    result = {"target": TARGET, "head": head, "max_new_tokens": max_new_tokens, "prompts": sets, "sets": {},
+              "under_load": loaded}
     for name in sets:
         summary = {m: summarize(runs[name][m]) for m in METHODS}
         for m in METHODS:
@@ -71,6 +78,33 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
         result["sets"][name] = {"summary": summary, "runs": runs[name]}
     result["offline"] = offline(sets["heldout"], head, threads, max_new_tokens)
     return result
+
+
+def under_load(stub, texts: list[str], streams: int, passes: int, max_new_tokens: int, ngram_k: int) -> dict:
+    """Each method's `streams` requests at once, `passes` times (see the module's docstring)."""
+    chosen = [texts[i % len(texts)] for i in range(streams)]
+    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    with ThreadPoolExecutor(streams) as pool:
+        for n in range(passes):
+            for method in METHODS if n % 2 == 0 else METHODS[::-1]:
+                reqs = [build_request(t, chat=True, max_new_tokens=max_new_tokens, method=method,
+                                      k=ngram_k if method == "ngram" else 0) for t in chosen]
+                start = time.perf_counter()
+                done = list(pool.map(lambda r: timed_generate(stub, r)[0], reqs))
+                wall = time.perf_counter() - start
+                tokens, rounds = sum(d["tokens"] for d in done), sum(d["rounds"] for d in done)
+                runs[method].append({"tok_s": tokens / wall, "tokens": tokens, "rounds": rounds, "wall": wall,
+                                     "texts": [d["text"] for d in done]})
+                print(f"  {streams} streams {method:6s} {tokens / wall:7.2f} tok/s", flush=True)
+    out = {}
+    for m, rs in runs.items():
+        tokens, wall, rounds = (sum(r[k] for r in rs) for k in ("tokens", "wall", "rounds"))
+        out[m] = {"tok_s": tokens / wall, "tokens_per_round": tokens / rounds if rounds else None,
+                  "vs_none": [r["tok_s"] / b["tok_s"] for r, b in zip(rs, runs["none"])],
+                  "outputs_equal_none": sum(mine == plain for r, base in zip(rs, runs["none"])
+                                            for mine, plain in zip(r["texts"], base["texts"])),
+                  "outputs": sum(len(r["texts"]) for r in rs)}
+    return {"streams": streams, "passes": passes, "methods": out}
 
 
 def offline(texts: list[str], head: str, threads: int, max_new_tokens: int, bins: int = 10) -> dict:
@@ -142,6 +176,14 @@ def print_head(result: dict) -> None:
             mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] is not None else "-"
             print(f"| {m} | {s['tok_s_total']:.2f} | {s['speedup']:.2f}x ({s['speedup_median']:.2f}x) | {acc} | {mal} "
                   f"| {s['output_equals_none']}/{s['runs']} |")
+    if (load := result.get("under_load")):
+        print(f"\nhead, {load['streams']} concurrent streams (held-out and bench prompts in turn), {load['passes']} passes:")
+        print("| method | tokens/s | vs none, per pass | tokens per round | output = none |")
+        print("| --- | --- | --- | --- | --- |")
+        for m, s in load["methods"].items():
+            tpr = f"{s['tokens_per_round']:.2f}" if s["tokens_per_round"] else "-"
+            print(f"| {m} | {s['tok_s']:.2f} | {', '.join(f'{x:.2f}x' for x in s['vs_none'])} | {tpr} "
+                  f"| {s['outputs_equal_none']}/{s['outputs']} |")
     o = result["offline"]
     print(f"\nround follow-up (verdict, context update, head pass over a block of {o['block_size']}): "
           f"{o['head_ms_median']:.1f} ms; "

@@ -11,7 +11,9 @@ How many drafted positions a round verifies follows the head's confidence (see
 tandem.head.drafter.choose_k): greedy requests weigh it against the worker's calibrated pass-cost
 curve, and then against the price of the pass the round joins (verify_worker/price.py: a position
 stays only while the chance of reaching it beats what it costs the other sessions of the pass, so
-under load the head proposes less); sampled ones use the fixed rule, so that a seed gives the same
+under load the head proposes less, and nothing, resting, when what it would gain does not pay for
+its own next pass, which the other sessions wait for as for so many positions); sampled ones use
+the fixed rule, so that a seed gives the same
 output on any worker at any load. When
 the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
 rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
@@ -34,14 +36,14 @@ from operator import mul
 import torch
 
 from tandem.engine.batcher import Step
-from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, worth_its_price
+from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, worth_its_head_pass, worth_its_price
 from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.ngram import lookup
 from tandem.speculation.room import plan_k
 from tandem.speculation.sampling import make_generator
-from tandem.speculation.survival import Survival
+from tandem.speculation.survival import Survival, position_ms
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
 METHOD = "head"
@@ -132,6 +134,8 @@ class HeadSpeculation:
             k = choose_k(draft.confidence, curve, self.draft_ms)
             if s.params.greedy:
                 k = min(k, worth_its_price(draft.confidence, price))
+                if (slope := position_ms(curve)) > 0:
+                    k = worth_its_head_pass(draft.confidence, k, price, self.draft_ms / slope)
         k = max(0, min(room, k))
         if h.proposal is not None:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.

@@ -158,3 +158,12 @@ def worth_its_price(confidence: list[float], price: float) -> int:
     """The head's positions worth the pass's price (tandem.speculation.survival.worth), each reached
     as often as the product of the confidences up to it says."""
     return worth(list(accumulate(confidence, mul)), price)
+
+
+def worth_its_head_pass(confidence: list[float], k: int, price: float, head_positions: float) -> int:
+    """k, or 0 when the k positions' expected accepted tokens, less their price, do not pay for the
+    head pass that speculating brings: the next proposal's, run in the round's follow-up while the
+    other sessions of the pass wait for it, priced as the `head_positions` positions that take as
+    long in a verify pass. Alone (no price) k stands."""
+    gain = sum(accumulate(confidence[:k], mul)) - price * k
+    return k if price <= 0 or gain > price * head_positions else 0
