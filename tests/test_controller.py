@@ -296,6 +296,11 @@ def test_a_pass_at_the_calibrated_speed_is_read_off_the_curve_between_and_beyond
         price.observe_pass(64, 0, 3 * 0.205, 64)        # slower passes do not move the curve itself
     assert price.calibrated_seconds(64) == pytest.approx(0.205)
     assert TokenPrice().calibrated_seconds(8) is None
+    # one session's pass: that length's own calibration (beyond the lengths measured, the longest's)
+    lengths = TokenPrice(curve=CURVE, lengths=[10.0, 12.0, 14.0])
+    assert lengths.calibrated_seconds(2, sessions=1) == pytest.approx(0.012)
+    assert lengths.calibrated_seconds(9, sessions=1) == pytest.approx(0.014)
+    assert lengths.calibrated_seconds(2, sessions=2) == pytest.approx(0.050)    # two sessions: the curve
 
 
 def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():

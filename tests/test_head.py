@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from tandem.head import checkpoint
 from tandem.head.checkpoint import HeadFileError
-from tandem.head.drafter import HeadContext, HeadDrafter, choose_k, worth_its_head_pass, worth_its_price
+from tandem.head.drafter import HeadContext, HeadDrafter, choose_k, gain_at_price, pays_for_head_pass, worth_its_price
 from tandem.head.model import BlockHead, HeadConfig
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import SamplingParams
@@ -672,10 +672,13 @@ def test_under_load_a_position_stays_only_while_reaching_it_beats_its_price():
     assert worth_its_price([], 0.5) == 0
 
 
-def test_under_load_the_head_rests_unless_its_gain_pays_for_its_next_pass():
-    conf = [0.9, 0.8, 0.5]                                 # reach 0.9, 0.72, 0.36: 1.98 expected
-    assert worth_its_head_pass(conf, 3, 0.0, 100.0) == 3   # alone: the head pass is the session's own
-    assert worth_its_head_pass(conf, 3, 0.1, 10.0) == 3    # gain 1.98 - 0.3 > 1.0
-    assert worth_its_head_pass(conf, 3, 0.1, 17.0) == 0    # ... < 1.7: rest
-    assert worth_its_head_pass(conf, 2, 0.1, 14.0) == 2    # 1.62 - 0.2 > 1.4
-    assert worth_its_head_pass(conf, 0, 0.1, 1.0) == 0
+def test_under_load_the_head_proposes_only_while_its_gain_pays_for_its_next_pass():
+    reach = [0.9, 0.72, 0.36]
+    assert gain_at_price(reach, 0.0) == pytest.approx(1.98)
+    assert gain_at_price(reach, 0.5) == pytest.approx(0.4 + 0.22)       # the third is not worth 0.5
+    assert gain_at_price(reach, 0.95) == 0.0
+    assert pays_for_head_pass(reach, 0.0, 100.0)                        # alone: the pass is its own
+    assert pays_for_head_pass(reach, 0.1, 10.0)                         # 1.68 > 1.0
+    assert not pays_for_head_pass(reach, 0.1, 17.0)                     # 1.68 < 1.7
+    assert pays_for_head_pass(reach[:2], 0.1, 14.0)                     # 1.42 > 1.4
+    assert not pays_for_head_pass([], 0.1, 1.0)

@@ -11,9 +11,10 @@ How many drafted positions a round verifies follows the head's confidence (see
 tandem.head.drafter.choose_k): greedy requests weigh it against the worker's calibrated pass-cost
 curve, and then against the price of the pass the round joins (verify_worker/price.py: a position
 stays only while the chance of reaching it beats what it costs the other sessions of the pass, so
-under load the head proposes less, and nothing, resting, when what it would gain does not pay for
-its own next pass, which the other sessions wait for as for so many positions); sampled ones use
-the fixed rule, so that a seed gives the same
+under load the head proposes less, and nothing when what it would gain does not pay for its own
+next pass, which the other sessions wait for as for so many positions: then that pass is skipped
+too, round after round, until the price falls enough for the last proposal's reach to pay for it);
+sampled ones use the fixed rule, so that a seed gives the same
 output on any worker at any load. When
 the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
 rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
@@ -36,7 +37,7 @@ from operator import mul
 import torch
 
 from tandem.engine.batcher import Step
-from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, worth_its_head_pass, worth_its_price
+from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, pays_for_head_pass, worth_its_price
 from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.drafting import RowDrafter
@@ -59,6 +60,9 @@ class HeadSession:
     backoff: int = 0                       # the length of the last rest
     # this session's prompt-lookup proposals: acceptance through each position, by match length
     lookups: dict[int, Survival] = field(default_factory=dict)
+    # greedy, as of its last proposal: the pass's price, and the chance of reaching each position
+    price: float = 0.0
+    reach: list[float] | None = None
 
 
 class HeadSpeculation:
@@ -134,8 +138,9 @@ class HeadSpeculation:
             k = choose_k(draft.confidence, curve, self.draft_ms)
             if s.params.greedy:
                 k = min(k, worth_its_price(draft.confidence, price))
-                if (slope := position_ms(curve)) > 0:
-                    k = worth_its_head_pass(draft.confidence, k, price, self.draft_ms / slope)
+                h.price, h.reach = price, list(accumulate(draft.confidence, mul))
+                if not pays_for_head_pass(h.reach[:k], price, self._head_positions()):
+                    k = 0
         k = max(0, min(room, k))
         if h.proposal is not None:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.
@@ -168,6 +173,12 @@ class HeadSpeculation:
             return verdict
         if h.rest:
             h.rest -= 1
-        else:
+        elif not (s.params.greedy and h.reach is not None
+                  and not pays_for_head_pass(h.reach, h.price, self._head_positions())):
             self.draft(s, h)
         return verdict
+
+    def _head_positions(self) -> float:
+        """A head pass in verify-pass positions that take as long (0 without a calibrated curve)."""
+        slope = position_ms(self.engine.model.forward_ms)
+        return self.draft_ms / slope if slope > 0 else 0.0

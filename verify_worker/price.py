@@ -29,6 +29,8 @@ cost in a large pass, and the controller then decodes plainly where short propos
 
 from __future__ import annotations
 
+from tandem.service import metrics
+
 # A position's cost is the mean over this many more positions per session: proposals run to a few
 # positions, and the curve's local slope swings with its knee and its noise, so that the slope over
 # a single position would make the price swing from pass to pass (see docs/benchmarks.md,
@@ -37,11 +39,14 @@ SPAN = 4
 
 
 class TokenPrice:
-    def __init__(self, decay: float = 0.95, curve: list[tuple[int, float]] | None = None) -> None:
+    def __init__(self, decay: float = 0.95, curve: list[tuple[int, float]] | None = None,
+                 lengths: list[float] | None = None) -> None:
         """curve: (positions, milliseconds) of passes measured at start-up (`CausalLM.pass_ms`: S
-        sessions of one position each), at least 3 sizes; without one the fitted line serves."""
+        sessions of one position each), at least 3 sizes; without one the fitted line serves.
+        lengths: [i] one session's pass of i + 1 new tokens, ms (`CausalLM.forward_ms`)."""
         self.decay = decay
         self.curve = [(p, ms / 1000) for p, ms in curve] if curve and len(curve) >= 3 else None
+        self.lengths = [ms / 1000 for ms in lengths or []]
         self._seen = self._expected = 0.0   # decayed seconds of passes, and the curve's for them
         # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
         # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
@@ -85,8 +90,11 @@ class TokenPrice:
             solved.append(_det3(m) / det)
         return max(0.0, solved[0]), max(0.0, solved[1])
 
-    def calibrated_seconds(self, positions: int) -> float | None:
-        """A pass of `positions` at the speed measured at start-up (None without a curve)."""
+    def calibrated_seconds(self, positions: int, sessions: int = 0) -> float | None:
+        """A pass of `positions` new tokens at the speed measured at start-up: one session's
+        (sessions 1), that length's time; else the curve's by positions (None without one)."""
+        if sessions == 1 and self.lengths and positions > 0:
+            return self.lengths[min(positions, len(self.lengths)) - 1]
         return _interpolate(self.curve, positions) if self.curve else None
 
     @property
@@ -127,6 +135,15 @@ class TokenPrice:
     def value(self) -> float:
         """The price in a pass like the last one."""
         return self.for_batch(*self._last)
+
+
+def report_pass_speed(price: TokenPrice, sessions: int, tokens: int, prefill: int, seconds: float) -> None:
+    """A batcher observer: one pass's seconds beside what the start-up calibration gives for a pass
+    of its shape (tandem_verify_pass_seconds_total, measured and calibrated)."""
+    calibrated = price.calibrated_seconds(tokens + prefill, 0 if prefill else sessions)
+    if calibrated is not None:
+        metrics.PASS_SECONDS.labels("measured").inc(seconds)
+        metrics.PASS_SECONDS.labels("calibrated").inc(calibrated)
 
 
 def _interpolate(curve: list[tuple[int, float]], x: float) -> float:

@@ -18,7 +18,7 @@ from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
-from verify_worker.price import TokenPrice
+from verify_worker.price import TokenPrice, report_pass_speed
 from verify_worker.rounds import OWN_METHODS, OwnDrafting, Plain
 from verify_worker.streamed import StreamedRun, read_pieces
 
@@ -39,20 +39,12 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
-        self.price = TokenPrice(curve=engine.model.pass_ms)
-        batcher.observers.append(self._observe_pass)
+        self.price = TokenPrice(curve=engine.model.pass_ms, lengths=engine.model.forward_ms)
+        batcher.observers.append(lambda sessions, tokens, prefill, seconds:
+                                 self.price.observe_pass(tokens, prefill, seconds, sessions))
+        batcher.observers.append(partial(report_pass_speed, self.price))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
         self._export_gauges()
-
-    def _observe_pass(self, sessions: int, tokens: int, prefill: int, seconds: float) -> None:
-        """One batched pass: into the price, and its time beside the start-up calibration's for a
-        pass of its shape (one session's tokens: that length's; else the curve by positions)."""
-        self.price.observe_pass(tokens, prefill, seconds, sessions)
-        model = self.engine.model
-        one = sessions == 1 and not prefill and model.forward_ms
-        if (calibrated := model.pass_seconds(tokens) if one else self.price.calibrated_seconds(tokens + prefill)):
-            metrics.PASS_SECONDS.labels("measured").inc(seconds)
-            metrics.PASS_SECONDS.labels("calibrated").inc(calibrated)
 
     def _export_gauges(self) -> None:
         keeper = self.keeper

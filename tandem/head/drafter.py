@@ -160,10 +160,15 @@ def worth_its_price(confidence: list[float], price: float) -> int:
     return worth(list(accumulate(confidence, mul)), price)
 
 
-def worth_its_head_pass(confidence: list[float], k: int, price: float, head_positions: float) -> int:
-    """k, or 0 when the k positions' expected accepted tokens, less their price, do not pay for the
-    head pass that speculating brings: the next proposal's, run in the round's follow-up while the
-    other sessions of the pass wait for it, priced as the `head_positions` positions that take as
-    long in a verify pass. Alone (no price) k stands."""
-    gain = sum(accumulate(confidence[:k], mul)) - price * k
-    return k if price <= 0 or gain > price * head_positions else 0
+def gain_at_price(reach: list[float], price: float) -> float:
+    """What proposing is worth in a pass at `price`: over the positions worth their price
+    (tandem.speculation.survival.worth), the chance of reaching each less its price."""
+    return sum(r - price for r in reach[:worth(reach, price)])
+
+
+def pays_for_head_pass(reach: list[float], price: float, head_positions: float) -> bool:
+    """Whether a proposal whose positions are reached this often pays for the head pass that
+    proposing brings: the next proposal's, run in the round's follow-up while the other sessions of
+    the pass wait for it, priced as the `head_positions` positions that take as long in a verify
+    pass. Alone (no price) it always does."""
+    return price <= 0 or gain_at_price(reach, price) > price * head_positions
