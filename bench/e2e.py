@@ -190,7 +190,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-max-new-tokens", type=int, help=f"head: per request (default {FULL['head_max_new_tokens']})")
     p.add_argument("--head", default="shipped", help="head: the verify worker's --head")
     p.add_argument("--head-streams", type=int,
-                   help=f"head: concurrent requests of the under-load part, 0 to skip it (default {FULL['head_streams']})")
+                   help="head: concurrent requests of the under-load part, 0 to skip it "
+                        f"(default {FULL['head_streams']})")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")

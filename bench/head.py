@@ -64,7 +64,8 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
                     assert r.usage.draft_method == method, (method, r.usage.draft_method)
                     runs[name][method].append(run)
                     print(f"  {name:8s} {method:6s} {run['tok_s']:6.2f} tok/s", flush=True)
-        loaded = under_load(stub, sets["heldout"] + sets["bench"], streams, passes, max_new_tokens, ngram_k) if streams else None
+        texts = sets["heldout"] + sets["bench"]
+        loaded = under_load(stub, texts, streams, passes, max_new_tokens, ngram_k) if streams else None
     result = {"target": TARGET, "head": head, "max_new_tokens": max_new_tokens, "prompts": sets, "sets": {},
               "under_load": loaded}
     for name in sets:
@@ -177,7 +178,8 @@ def print_head(result: dict) -> None:
             print(f"| {m} | {s['tok_s_total']:.2f} | {s['speedup']:.2f}x ({s['speedup_median']:.2f}x) | {acc} | {mal} "
                   f"| {s['output_equals_none']}/{s['runs']} |")
     if (load := result.get("under_load")):
-        print(f"\nhead, {load['streams']} concurrent streams (held-out and bench prompts in turn), {load['passes']} passes:")
+        print(f"\nhead, {load['streams']} concurrent streams (held-out and bench prompts in turn), "
+              f"{load['passes']} passes:")
         print("| method | tokens/s | vs none, per pass | tokens per round | output = none |")
         print("| --- | --- | --- | --- | --- |")
         for m, s in load["methods"].items():

@@ -26,7 +26,8 @@ round, each worker's busy share of wall time (the rate of its tandem_inference_b
 and CPU seconds per wall second (/proc; n-gram drafting runs on the event loop, not the inference
 thread), and the verify worker's pass time against what the same passes took at start-up, alone
 (tandem_verify_pass_seconds_total: measured over calibrated; above 1 where a draft worker on other
-cores of the same machine slows the target's passes, as one sharing its memory bus does). Greedy outputs must equal plain's for the same prompt and streams: checked, loudly.
+cores of the same machine slows the target's passes, as one sharing its memory bus does). Greedy
+outputs must equal plain's for the same prompt and streams: checked, loudly.
 
     python -m bench.topology                 # both pairs, streams 1 and 4, every layout
     python -m bench.topology --quick         # SmolLM2 + n-gram, 2 prompts, 1 stream, 24 tokens
@@ -288,7 +289,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['pair']} | {r['streams']} | {r['layout']} | {r['tok_s']:.2f} | {times(r['tok_s_runs'], '')} "
                    f"| {times(r['vs_plain'])} | {times(r['vs_colocated'])} | {r['rounds']} "
                    f"| {fmt(r['mean_accepted_length'])} | {fmt(r['acceptance'], '.0%')} "
-                   f"| {fmt(r['verify_busy'], '.0%')} | {fmt(r['pass_slowdown'], suffix='x')} | {fmt(r['draft_busy'], '.0%')} "
+                   f"| {fmt(r['verify_busy'], '.0%')} | {fmt(r['pass_slowdown'], suffix='x')} "
+                   f"| {fmt(r['draft_busy'], '.0%')} "
                    f"| {fmt(r['cpu']['draft'], '.0%')} | {check} |")
     return "\n".join(out)
 

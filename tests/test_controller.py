@@ -297,10 +297,11 @@ def test_a_pass_at_the_calibrated_speed_is_read_off_the_curve_between_and_beyond
     assert price.calibrated_seconds(64) == pytest.approx(0.205)
     assert TokenPrice().calibrated_seconds(8) is None
     # one session's pass: that length's own calibration (beyond the lengths measured, the longest's)
-    lengths = TokenPrice(curve=CURVE, lengths=[10.0, 12.0, 14.0])
-    assert lengths.calibrated_seconds(2, sessions=1) == pytest.approx(0.012)
-    assert lengths.calibrated_seconds(9, sessions=1) == pytest.approx(0.014)
-    assert lengths.calibrated_seconds(2, sessions=2) == pytest.approx(0.050)    # two sessions: the curve
+    lengths = [0.010, 0.012, 0.014]
+    alone = TokenPrice(curve=CURVE, alone=lambda n: lengths[min(n, len(lengths)) - 1])
+    assert alone.calibrated_seconds(2, sessions=1) == pytest.approx(0.012)
+    assert alone.calibrated_seconds(9, sessions=1) == pytest.approx(0.014)
+    assert alone.calibrated_seconds(2, sessions=2) == pytest.approx(0.050)     # two sessions: the curve
 
 
 def test_a_verdicts_price_takes_the_plain_rate_of_its_own_pass_size():

@@ -173,8 +173,7 @@ class HeadSpeculation:
             return verdict
         if h.rest:
             h.rest -= 1
-        elif not (s.params.greedy and h.reach is not None
-                  and not pays_for_head_pass(h.reach, h.price, self._head_positions())):
+        elif not s.params.greedy or h.reach is None or pays_for_head_pass(h.reach, h.price, self._head_positions()):
             self.draft(s, h)
         return verdict
 

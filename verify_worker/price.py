@@ -29,6 +29,8 @@ cost in a large pass, and the controller then decodes plainly where short propos
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tandem.service import metrics
 
 # A position's cost is the mean over this many more positions per session: proposals run to a few
@@ -40,13 +42,13 @@ SPAN = 4
 
 class TokenPrice:
     def __init__(self, decay: float = 0.95, curve: list[tuple[int, float]] | None = None,
-                 lengths: list[float] | None = None) -> None:
+                 alone: Callable[[int], float] | None = None) -> None:
         """curve: (positions, milliseconds) of passes measured at start-up (`CausalLM.pass_ms`: S
         sessions of one position each), at least 3 sizes; without one the fitted line serves.
-        lengths: [i] one session's pass of i + 1 new tokens, ms (`CausalLM.forward_ms`)."""
+        alone: seconds of one session's pass of n new tokens as calibrated (`CausalLM.pass_seconds`)."""
         self.decay = decay
         self.curve = [(p, ms / 1000) for p, ms in curve] if curve and len(curve) >= 3 else None
-        self.lengths = [ms / 1000 for ms in lengths or []]
+        self.alone = alone
         self._seen = self._expected = 0.0   # decayed seconds of passes, and the curve's for them
         # decayed normal equations of seconds ~ 1, round tokens, prefill tokens; plain Python: a
         # BLAS call here would start a BLAS thread pool on the event loop's thread, next to torch's
@@ -93,8 +95,8 @@ class TokenPrice:
     def calibrated_seconds(self, positions: int, sessions: int = 0) -> float | None:
         """A pass of `positions` new tokens at the speed measured at start-up: one session's
         (sessions 1), that length's time; else the curve's by positions (None without one)."""
-        if sessions == 1 and self.lengths and positions > 0:
-            return self.lengths[min(positions, len(self.lengths)) - 1]
+        if sessions == 1 and self.alone is not None and positions > 0:
+            return self.alone(positions)
         return _interpolate(self.curve, positions) if self.curve else None
 
     @property

@@ -39,7 +39,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         self.batcher = batcher
         self.keeper = keeper or SessionKeeper(0)
         self.prefill_chunk = prefill_chunk
-        self.price = TokenPrice(curve=engine.model.pass_ms, lengths=engine.model.forward_ms)
+        model = engine.model
+        self.price = TokenPrice(curve=model.pass_ms, alone=model.pass_seconds if model.forward_ms else None)
         batcher.observers.append(lambda sessions, tokens, prefill, seconds:
                                  self.price.observe_pass(tokens, prefill, seconds, sessions))
         batcher.observers.append(partial(report_pass_speed, self.price))
@@ -195,8 +196,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "stream needs a greedy session: sampled proposals carry their distributions")
         most = min(opened.num_speculative_tokens or self.engine.max_proposal, self.engine.max_proposal)
-        run = StreamedRun(session, most, lambda: self.price.for_batch(len(self.sessions)),
-                          self.engine.model.pass_seconds if self.engine.model.forward_ms else None)
+        run = StreamedRun(session, most, lambda: self.price.for_batch(len(self.sessions)), self.price.alone)
         reader = asyncio.create_task(read_pieces(requests, run))
         try:
             while (tokens := await run.next()) is not None:
