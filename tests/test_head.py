@@ -550,7 +550,7 @@ def test_choose_k():
         assert 0 <= choose_k(confidence, []) <= len(confidence)
 
 
-def test_context_grows_and_crops():
+def test_context_grows_and_copies_a_prefix():
     ctx = HeadContext(layers=2, kv_heads=2, head_dim=3, capacity=2)
     parts = [[(torch.randn(2, n, 3), torch.randn(2, n, 3)) for _ in range(2)] for n in (1, 2, 5)]
     for kv in parts:
@@ -560,12 +560,14 @@ def test_context_grows_and_crops():
         k, v = ctx.view()[layer]
         assert torch.equal(k, torch.cat([p[layer][0] for p in parts], 1))
         assert torch.equal(v, torch.cat([p[layer][1] for p in parts], 1))
-    ctx.crop(3)
-    ctx.crop(5)                                 # never longer than it is
-    assert ctx.length == 3
+    copy = HeadContext(layers=2, kv_heads=2, head_dim=3, capacity=1)
+    copy.copy_prefix(ctx, 3)
+    assert copy.length == 3
+    assert all(torch.equal(c, o[:, :3]) for (c, _), (o, _) in zip(copy.view(), ctx.view()))
     new = [(torch.ones(2, 1, 3), torch.ones(2, 1, 3))] * 2
-    ctx.append(new)
-    assert torch.equal(ctx.view()[1][0][:, 3:], new[1][0]) and ctx.length == 4
+    copy.append(new)                            # its own rows: the donor's stay as they were
+    assert torch.equal(copy.view()[1][0][:, 3:], new[1][0]) and copy.length == 4
+    assert ctx.length == 8 and torch.equal(ctx.view()[1][0][:, 3:4], parts[2][1][0][:, :1])
 
 
 def test_the_markov_head_changes_what_is_drafted(target):

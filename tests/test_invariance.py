@@ -61,10 +61,18 @@ def test_the_stock_kernel_is_not_invariant():
 
 def test_the_start_up_probe_finds_rows_computed_alike(monkeypatch):
     """CausalLM measures invariance on its own layers at start (gemm.rows_computed_alone); the
-    probe fails where a lone row takes oneDNN's one-row path instead of being padded to two."""
+    probe fails where a call's rows change each other's numbers, as inputs rounded on a scale
+    taken over all the call's rows (dynamic quantization's) do."""
     model = CausalLM(PRESET, threads=2, dtype="float32")
     assert model.rows_alike and model.invariant
-    monkeypatch.setattr(gemm, "_rows", lambda x: x.reshape(-1, x.shape[-1]))
+    padded = gemm._rows
+
+    def rounded_over_the_call(x):
+        rows = padded(x)
+        step = rows.abs().amax() / 127
+        return torch.round(rows / step) * step
+
+    monkeypatch.setattr(gemm, "_rows", rounded_over_the_call)
     assert not gemm.rows_computed_alone(model.model)
 
 
@@ -173,8 +181,13 @@ def test_speculation_equals_the_same_workers_plain_decoding(target, draft):
 # (SmolLM2, 2 x 48 tokens, 2026-12-05 and -06): float32 1e-4 and no choice differs; bfloat16 1.06
 # and none differs; int8 6.1 to 7.0, and 4 to 9 of 96 choices differ, the largest gap 0.85 on an
 # AMD EPYC and 1.17 on an Intel Xeon (the float32 parts of a layer, norms and attention, sum in
-# the CPU's own order, and one different choice leads the two greedy runs apart).
-TOLERANCE = {"float32": (1e-3, 0.0), "bfloat16": (1.5, 0.0), "int8": (8.0, 1.5)}   # (logits, gap)
+# the CPU's own order, and one different choice leads the two greedy runs apart). On an AMD EPYC
+# without AVX-512 or VNNI (2026-12-06): bfloat16 runs on float32 kernels (gemm.bfloat16_kernels),
+# 1.38 and one choice differs by 0.19, a step and a half of a bfloat16 logit between 16 and 32;
+# int8 has 7-bit weights there (gemm.u8s8_pairs_saturate), 5.9 to 7.4, 7 of 96 choices differ, the
+# largest gap 1.93.
+TOLERANCE = {"float32": (1e-3, 0.0), "bfloat16": (1.5, 0.25),
+             "int8": (8.0, 2.5 if gemm.u8s8_pairs_saturate() else 1.5)}   # (logits, gap)
 
 
 def test_agreement_with_transformers_at_the_same_precision(target):

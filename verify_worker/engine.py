@@ -87,13 +87,16 @@ class VerifyEngine:
                              generator=make_generator(params.seed, stream=0), grammar=grammar)
 
     @staticmethod
-    def share_prefix(s: TargetSession, donors: list[TargetSession], least: int = 16) -> int:
+    def share_prefix(s: TargetSession, donors: list[TargetSession], least: int = 16,
+                     upto: Callable[[TargetSession], int] | None = None) -> TargetSession | None:
         """Copies into s's cache the longest prompt prefix (at least `least` tokens, beyond what s
-        holds already) whose KV another session holds, live or idle; returns the positions s now
-        holds. On the inference thread, between passes: a donor released meanwhile is skipped."""
+        holds already) whose KV another session holds, live or idle, and at most `upto(donor)` of
+        a donor's positions; returns the donor. On the inference thread, between passes: a donor
+        released meanwhile is skipped."""
         want = s.prompt_len - 1                   # the last prompt token goes with the first round
-        copy_longest_prefix(s.cache, s.tokens[:want], [(d.tokens, d.cache) for d in donors], least)
-        return s.cache.length
+        pairs = [(d.tokens if upto is None else d.tokens[:upto(d)], d.cache) for d in donors]
+        chosen = copy_longest_prefix(s.cache, s.tokens[:want], pairs, least)
+        return next((d for d in donors if d.cache is chosen), None) if chosen is not None else None
 
     @staticmethod
     def prefill_chunks(s: TargetSession, chunk: int) -> list[list[int]]:

@@ -49,6 +49,7 @@ from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
 METHOD = "head"
 MAX_REST = 8        # most plain rounds in a row after the head proposed nothing
+HELD_ROWS = 32      # most committed positions' states held back from a resting head's context
 
 
 @dataclass
@@ -63,6 +64,12 @@ class HeadSession:
     # greedy, as of its last proposal: the pass's price, and the chance of reaching each position
     price: float = 0.0
     reach: list[float] | None = None
+    # committed positions' tapped states not yet in the context, while the head drafts nothing
+    held: list[torch.Tensor] = field(default_factory=list)
+
+    def known(self) -> int:
+        """The positions the head has states for: its context and what is held back."""
+        return self.context.length + sum(f.shape[0] for f in self.held)
 
 
 class HeadSpeculation:
@@ -88,6 +95,17 @@ class HeadSpeculation:
             return report(logits)
         return then
 
+    def share_prefix(self, s: TargetSession, h: HeadSession, donors: list[TargetSession]) -> None:
+        """A prompt prefix from a head session whose context covers it, with its context rows.
+        Greedy only: a copied row may differ in its last bits from one computed in another call,
+        which may change a proposal, and a seed's draws must not depend on the sessions around."""
+        if not s.params.greedy:
+            return
+        heads = [d for d in donors if isinstance(d.drafting, HeadSession)]
+        donor = self.engine.share_prefix(s, heads, upto=lambda d: d.drafting.context.length)
+        if donor is not None:
+            h.context.copy_prefix(donor.drafting.context, s.cache.length)
+
     def start(self, s: TargetSession, h: HeadSession) -> None:
         self.draft(s, h)
 
@@ -97,6 +115,7 @@ class HeadSpeculation:
     def draft(self, s: TargetSession, h: HeadSession) -> None:
         """Drafts the next proposal after s's committed tokens (on the inference thread), each
         position through the request's pipeline and guide, as the target's rows will be."""
+        self._catch_up(h)                        # not timed: a head pass's price is the pass alone
         start = time.perf_counter()
         rows = RowDrafter(s.tokens, s.prompt_len, s.params, self.engine.model.eos_ids, s.grammar, h.generator)
         try:
@@ -138,8 +157,9 @@ class HeadSpeculation:
             k = choose_k(draft.confidence, curve, self.draft_ms)
             if s.params.greedy:
                 k = min(k, worth_its_price(draft.confidence, price))
-                h.price, h.reach = price, list(accumulate(draft.confidence, mul))
-                if not pays_for_head_pass(h.reach[:k], price, self._head_positions()):
+                reach = list(accumulate(draft.confidence, mul))
+                h.price, h.reach = price, reach if h.proposal is not None else h.reach
+                if not pays_for_head_pass(reach[:k], price, self._head_positions()):
                     k = 0
         k = max(0, min(room, k))
         if h.proposal is not None:
@@ -167,7 +187,9 @@ class HeadSpeculation:
         verdict = self.engine.judge_fed(s, proposed, q, logits)
         if ngram and proposed:
             h.lookups[ngram].add(logits.shape[0] - 1, verdict.accepted)
-        self.drafter.extend(h.context, features[:s.cache.length - h.context.length])
+        h.held.append(features[:s.cache.length - h.known()].clone())   # not a view of the whole pass
+        if sum(f.shape[0] for f in h.held) >= HELD_ROWS:
+            self._catch_up(h)
         h.proposal = None
         if verdict.stop_reason:
             return verdict
@@ -176,6 +198,13 @@ class HeadSpeculation:
         elif not s.params.greedy or h.reach is None or pays_for_head_pass(h.reach, h.price, self._head_positions()):
             self.draft(s, h)
         return verdict
+
+    def _catch_up(self, h: HeadSession) -> None:
+        """The held states join the head's context, in one call of the head's layers: a head that
+        drafts nothing for a while pays one such call per HELD_ROWS positions, not one a round."""
+        if h.held:
+            self.drafter.extend(h.context, torch.cat(h.held))
+            h.held.clear()
 
     def _head_positions(self) -> float:
         """A head pass in verify-pass positions that take as long (0 without a calibrated curve)."""

@@ -16,8 +16,8 @@ OWN_METHODS = {"none": "", "head": "it has no trained head loaded (--head)"}
 class OwnDrafting(Protocol):
     method: str
     span: str                  # the name of a round's trace span
-    # Needs the target's hidden states of every position: no KV reused from an earlier turn or
-    # shared with another session, and every pass taps them.
+    # Needs the target's hidden states of every position: no KV reused from an earlier turn (a
+    # shared prefix comes with the donor's drafting state), and every pass taps them.
     reads_states: bool
 
     def open(self, s: TargetSession) -> object:
@@ -25,6 +25,10 @@ class OwnDrafting(Protocol):
 
     def prefill_then(self, s: TargetSession, state, report):
         """A prefill chunk's follow-up around `report` (which turns its logits into prompt reports)."""
+
+    def share_prefix(self, s: TargetSession, state, donors: list[TargetSession]) -> None:
+        """Before the prefill, between passes: copies into s the longest prompt prefix a donor
+        session (live or idle) holds that this drafting can take (VerifyEngine.share_prefix)."""
 
     def start(self, s: TargetSession, state) -> None:
         """After the prefill, on the inference thread: what the first round needs."""
@@ -52,6 +56,9 @@ class Plain:
 
     def prefill_then(self, s: TargetSession, state, report):
         return report
+
+    def share_prefix(self, s: TargetSession, state, donors: list[TargetSession]) -> None:
+        self.engine.share_prefix(s, donors)
 
     def start(self, s: TargetSession, state) -> None:
         pass

@@ -69,8 +69,8 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         """Admits the session into the KV budget and prefills it; returns it with the number of prompt
         tokens whose KV came from its kept earlier turn, and the prompt tokens' reports (protobuf)
         when the session asks for them. `own`: the worker's own drafting for the session (Decode),
-        which gets the prefill's follow-ups; one that reads states gets every prompt position's, so
-        no KV is reused or shared."""
+        which gets the prefill's follow-ups and shares prompt prefixes; one that reads states gets
+        every prompt position's, so no KV of an earlier turn is reused."""
         states = own is not None and own.reads_states
         logs.session_id.set(session_id)
         try:
@@ -98,9 +98,9 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
         reports = []
         if own is not None:
             session.drafting = own.open(session)
-        if self.share_prefixes and not params.prompt_logprobs and not states:   # prompt logprobs need every row
+        if self.share_prefixes and not params.prompt_logprobs:   # prompt logprobs need every row
             donors = [*self.sessions.values(), *self.keeper.idle.values()]
-            await self.batcher.between_passes(self.engine.share_prefix, session, donors)
+            await self.batcher.between_passes((own or self.own["none"]).share_prefix, session, session.drafting, donors)
         cached = session.cache.length
         with telemetry.span("prefill", {"tandem.prompt_tokens": len(prompt_ids),
                                         "tandem.cached_prompt_tokens": cached}) as span:

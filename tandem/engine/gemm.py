@@ -15,7 +15,12 @@ other sessions' tokens): otherwise speculation, batching and load change the out
   `onednn.qlinear_pointwise`, with an input scale of 1: the integer sums come back unscaled but
   for the weight's scale). Integer sums are exact in any order, and the scales are per row, so no
   other row can change a row's result; `torch._int_mm` gives the same numbers, two to four times
-  slower for 2 to 17 rows here.
+  slower for 2 to 17 rows here. On a CPU without VNNI, oneDNN adds pairs of u8 x s8 products in
+  16 bits, saturating (`u8s8_pairs_saturate`); there the weights are quantized to 7 bits, so that
+  a pair fits (PyTorch's x86 backend narrows the activations instead, "reduce_range"; per-row
+  activations carry the outliers, and losing their bit costs more: on SmolLM2's layers a 7-bit
+  weight is off by a little more than an 8-bit one, a 7-bit activation by twice as much).
+  `torch._int_mm` is exact at 8 bits there but takes ten to thirty times as long.
   Weight-only int8 (`_weight_int8pack_mm`) is invariant too but costs four times a step for a
   9-token pass here (docs/benchmarks.md, "The target's precision").
 - int8 where invariance is not needed (a draft, whose numbers change only speed;
@@ -34,6 +39,7 @@ torch's stock kernel, so packed logits differ from unpacked ones in the last bit
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -51,6 +57,27 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_PER_CALL = {torch.bfloat16: 32}
 
 
+@functools.cache
+def bfloat16_kernels() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (they need AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(2, 2, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def u8s8_pairs_saturate() -> bool:
+    """Whether oneDNN's u8 x s8 kernel adds pairs of products in 16 bits with saturation (x86 CPUs
+    without VNNI), so that 8-bit inputs against large weights come out wrong."""
+    packed = torch.ops.onednn.qlinear_prepack(torch.full((16, 64), 127, dtype=torch.int8), None)
+    x = torch.full((2, 64), 255, dtype=torch.uint8)
+    out = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, packed, torch.ones(16), torch.zeros(16, dtype=torch.long),
+                                             None, 1.0, 0, torch.float32, "none", [], "")
+    return int(out[0, 0]) != 127 * 127 * 64
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, features], with at least two rows (a lone row repeated)."""
     flat = x.reshape(-1, x.shape[-1])
@@ -65,36 +92,43 @@ def _unrows(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, shared: bool = False, invariant: bool = True) -> None:
         """shared: the weight is also another module's (a tied output layer); keep referring to it.
-        invariant: each row computed as if alone, at any number of rows (ROWS_PER_CALL)."""
+        invariant: each row computed as if alone, at any number of rows (ROWS_PER_CALL).
+        A bfloat16 layer on a CPU without oneDNN's bfloat16 kernels (bfloat16_kernels) multiplies
+        its bfloat16 weights and inputs, widened exactly to float32, with the float32 kernel, and
+        rounds the result to bfloat16: the same bfloat16 model at float32's memory and speed."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.weight = linear.weight if shared else None
         self.dtype = linear.weight.dtype
-        self.rows_per_call = ROWS_PER_CALL.get(self.dtype) if invariant else None
+        self.compute = torch.float32 if self.dtype == torch.bfloat16 and not bfloat16_kernels() else self.dtype
+        self.rows_per_call = ROWS_PER_CALL.get(self.compute) if invariant else None
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.compute))
+            self.compute_bias = None if self.bias is None else self.bias.detach().to(self.compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).to(self.compute)
         block = self.rows_per_call or len(flat)
-        out = torch.cat([torch.ops.mkldnn._linear_pointwise(_rows(part), self.packed, self.bias, "none", [], "")
-                         for part in flat.split(block)])
-        return _unrows(out, x)
+        out = torch.cat([torch.ops.mkldnn._linear_pointwise(_rows(part), self.packed, self.compute_bias, "none", [],
+                                                            "") for part in flat.split(block)])
+        return _unrows(out.to(x.dtype), x)
 
 
 class Int8Linear(torch.nn.Module):
     """int8 weights with a float32 scale per output row, packed for oneDNN once; each call's rows
     are quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero
-    point 128, oneDNN's layout), and scaled back to the activations' dtype."""
+    point 128, oneDNN's layout), and scaled back to the activations' dtype. The weights take 7
+    bits where the CPU's pairs of products saturate (u8s8_pairs_saturate)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             w = linear.weight.detach().float()
-            self.scales = w.abs().amax(1).clamp(min=1e-12) / 127
-            int8 = torch.round(w / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+            top = 63 if u8s8_pairs_saturate() else 127
+            self.scales = w.abs().amax(1).clamp(min=1e-12) / top
+            int8 = torch.round(w / self.scales[:, None]).clamp_(-top, top).to(torch.int8)
             self.packed = torch.ops.onednn.qlinear_prepack(int8, None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.bias = linear.bias

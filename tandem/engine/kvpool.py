@@ -270,11 +270,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def copy_longest_prefix(cache: SessionCache, tokens: list[int], donors, least: int) -> bool:
+def copy_longest_prefix(cache: SessionCache, tokens: list[int], donors, least: int) -> SessionCache | None:
     """Copies into `cache` the longest prefix of `tokens` that one of `donors` ((token ids, cache)
     pairs whose cache holds those ids' KV) holds, if it is at least `least` positions longer than
-    what `cache` holds already; True when it copied. Between passes, like every change to the pool;
-    a donor released meanwhile is skipped."""
+    what `cache` holds already; returns the donor's cache it copied from, if any. Between passes,
+    like every change to the pool; a donor released meanwhile is skipped."""
     best, n = None, cache.length + least - 1
     for ids, donor in donors:
         if donor is cache or not donor.capacity:
@@ -284,7 +284,7 @@ def copy_longest_prefix(cache: SessionCache, tokens: list[int], donors, least: i
             best, n = donor, m
     if best is not None:
         cache.copy_prefix(best, n)
-    return best is not None
+    return best
 
 
 def _release_run(pool: KVPool, run: list[int]) -> None:

@@ -46,8 +46,10 @@ class HeadContext:
             self.v[i][:, self.length:self.length + n] = v
         self.length += n
 
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+    def copy_prefix(self, other: HeadContext, n: int) -> None:
+        """This (empty) context becomes other's first n positions."""
+        self.length = 0
+        self.append([(k[:, :n], v[:, :n]) for k, v in other.view()])
 
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[:, :self.length], v[:, :self.length]) for k, v in zip(self.k, self.v)]
