@@ -192,6 +192,7 @@ def main(argv=None) -> None:
     p.add_argument("--head-streams", type=int,
                    help="head: concurrent requests of the under-load part, 0 to skip it "
                         f"(default {FULL['head_streams']})")
+    p.add_argument("--head-load-only", action="store_true", help="head: only the part under load")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="bench/results/e2e.json")
@@ -245,7 +246,7 @@ def main(argv=None) -> None:
         mask_costs(result["guided"], a.target)
     if "head" in sections:      # its own stack: SmolLM2 and its shipped head, whatever --target says
         result["head"] = head_section(PROMPTS[:a.prompts], a.head_heldout, a.head_max_new_tokens, a.threads,
-                                      a.head, a.ngram_k, a.head_streams)
+                                      a.head, a.ngram_k, a.head_streams, load_only=a.head_load_only)
     if "router" in sections:    # its own stack too: SmolLM2 with n-gram drafting, SMG in front
         result["router"] = router_section(PROMPTS[:a.prompts], a.head_max_new_tokens, a.threads)
     if "models" in sections:

@@ -47,7 +47,9 @@ def prompt_sets(bench_prompts: list[str], heldout: int) -> dict[str, list[str]]:
 
 
 def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, threads: int,
-                 head: str = "shipped", ngram_k: int = 16, streams: int = 16, passes: int = 2) -> dict:
+                 head: str = "shipped", ngram_k: int = 16, streams: int = 16, passes: int = 2,
+                 load_only: bool = False) -> dict:
+    """load_only: just the part under load (no one-stream runs, no offline part)."""
     print("head:", flush=True)
     sets = prompt_sets(bench_prompts, heldout)
     runs: dict[str, dict[str, list]] = {name: {m: [] for m in METHODS} for name in sets}
@@ -56,7 +58,7 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
         stub = pb_grpc.GenerationServiceStub(ch)
         for method in METHODS:
             timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-        for name, texts in sets.items():
+        for name, texts in ({} if load_only else sets).items():
             for text in texts:
                 for method in METHODS:
                     run, r = timed_generate(stub, build_request(text, chat=True, max_new_tokens=max_new_tokens,
@@ -68,7 +70,7 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
         loaded = under_load(stub, texts, streams, passes, max_new_tokens, ngram_k) if streams else None
     result = {"target": TARGET, "head": head, "max_new_tokens": max_new_tokens, "prompts": sets, "sets": {},
               "under_load": loaded}
-    for name in sets:
+    for name in () if load_only else sets:
         summary = {m: summarize(runs[name][m]) for m in METHODS}
         for m in METHODS:
             summary[m]["speedup"] = summary[m]["tok_s_total"] / summary["none"]["tok_s_total"]
@@ -77,7 +79,7 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
             summary[m]["output_equals_none"] = sum(a["text"] == b["text"]
                                                    for a, b in zip(runs[name][m], runs[name]["none"]))
         result["sets"][name] = {"summary": summary, "runs": runs[name]}
-    result["offline"] = offline(sets["heldout"], head, threads, max_new_tokens)
+    result["offline"] = None if load_only else offline(sets["heldout"], head, threads, max_new_tokens)
     return result
 
 
@@ -186,7 +188,8 @@ def print_head(result: dict) -> None:
             tpr = f"{s['tokens_per_round']:.2f}" if s["tokens_per_round"] else "-"
             print(f"| {m} | {s['tok_s']:.2f} | {', '.join(f'{x:.2f}x' for x in s['vs_none'])} | {tpr} "
                   f"| {s['outputs_equal_none']}/{s['outputs']} |")
-    o = result["offline"]
+    if (o := result["offline"]) is None:
+        return
     print(f"\nround follow-up (verdict, context update, head pass over a block of {o['block_size']}): "
           f"{o['head_ms_median']:.1f} ms; "
           f"verify pass of the whole block: {o['verify_ms_median']:.1f} ms; plain decode step {o['plain_step_ms']:.1f} ms")

@@ -32,8 +32,9 @@ from tandem.head.model import BlockHead, HeadConfig
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import SamplingParams
 from tandem.testing import build_random_head
-from tests.local import reference, speculate_head
+from tests.local import open_head_session, reference, speculate_head
 from verify_worker.engine import VerifyEngine
+from verify_worker import headspec
 from verify_worker.headspec import HeadSpeculation
 
 pytestmark = pytest.mark.unit
@@ -93,20 +94,22 @@ def teacher_forced(model, ids: list[int], taps) -> torch.Tensor:
 
 
 def checked_rounds(spec: HeadSpeculation, model, monkeypatch, seen: dict) -> None:
-    """Before every round: the head's context holds a position per committed token but the last,
-    with the keys and values that a fresh context made from one teacher-forced pass holds."""
+    """Before every round: the head has states for a position per committed token but the last, in
+    its context or held back, and its context holds the keys and values that a fresh context made
+    from one teacher-forced pass holds for those positions."""
     real = spec.step
 
-    def step(s, h):
-        assert h.context.length == s.cache.length == len(s.tokens) - 1
+    def step(s, h, *args, **kwargs):
+        assert h.known() == s.cache.length == len(s.tokens) - 1
         if h.context.length:
             fresh = spec.drafter.new_context()
-            spec.drafter.extend(fresh, teacher_forced(model, s.tokens[:-1], spec.taps))
+            spec.drafter.extend(fresh, teacher_forced(model, s.tokens[:h.context.length], spec.taps))
             for (k, v), (k2, v2) in zip(h.context.view(), fresh.view()):
                 torch.testing.assert_close(k, k2, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(v, v2, atol=1e-4, rtol=1e-4)
         seen["rounds"] = seen.get("rounds", 0) + 1
-        return real(s, h)
+        seen["held"] = max(seen.get("held", 0), h.known() - h.context.length)
+        return real(s, h, *args, **kwargs)
 
     monkeypatch.setattr(spec, "step", step)
 
@@ -684,3 +687,81 @@ def test_under_load_the_head_proposes_only_while_its_gain_pays_for_its_next_pass
     assert not pays_for_head_pass(reach, 0.1, 17.0)                     # 1.68 < 1.7
     assert pays_for_head_pass(reach[:2], 0.1, 14.0)                     # 1.42 > 1.4
     assert not pays_for_head_pass([], 0.1, 1.0)
+
+
+def test_under_load_a_resting_head_holds_its_states_back_and_catches_up(target, prompts, tmp_path, monkeypatch):
+    """A head whose next pass does not pay at the price drafts nothing and runs no head layers:
+    the committed positions' states wait, and join its context in one call once the price falls
+    (or HELD_ROWS of them wait); a session started meanwhile starts resting too. The output stays
+    the target's, and the context ends as one teacher-forced pass gives it."""
+    model = target[1]
+    path = build_random_head(tmp_path / "table.safetensors", target[0], seed=3, block_size=BLOCK, markov_rank=64)
+    params = SamplingParams(max_new_tokens=24)
+    prompt = prompts[2]
+    ref = reference(model, prompt, params)
+    spec = table_head(target, path, [prompt[-1:] + ref])
+    seen: dict = {}
+    checked_rounds(spec, model, monkeypatch, seen)
+    # a nearly flat pass-cost curve: a head pass costs as much as hundreds of positions
+    monkeypatch.setattr(model, "forward_ms", [2.0 + 0.01 * i for i in range(9)])
+    monkeypatch.setattr(headspec, "HELD_ROWS", 8)
+    engine = spec.engine
+    s = open_head_session(engine, spec, prompt, params)
+    h = s.drafting
+    spec.start(s, h)
+    rounds = []                                  # (price, states held back, tokens proposed)
+    while not s.stop_reason:
+        price = 0.5 if s.generated < 12 else 0.0
+        held = h.known() - h.context.length
+        step, proposed = spec.step(s, h, price)
+        rounds.append((price, held, len(proposed)))
+        step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+    assert s.tokens[len(prompt):] == ref
+    loaded = [r for r in rounds if r[0] > 0]
+    assert len(loaded) >= 3 and not any(n for _, _, n in loaded)          # no proposal pays
+    assert any(held for _, held, _ in loaded) and 0 < seen["held"] < 8     # held, never 8 at once
+    after = [r for r in rounds if r[0] == 0]
+    assert after and all(held == 0 and n > 0 for _, held, n in after[1:])  # caught up, proposing
+    assert spec.reach is not None and spec.price == 0.0
+    # a session opened while the latest price does not pay for the head's pass starts resting
+    spec.price = 0.5
+    late = open_head_session(engine, spec, prompt, params, "late")
+    spec.start(late, late.drafting)
+    assert late.drafting.proposal is None and late.drafting.price == 0.5
+    spec.price = 0.0
+    spec.start(late, late.drafting)
+    assert late.drafting.proposal is not None and late.drafting.proposal.tokens
+
+
+def test_a_greedy_head_session_copies_a_prompt_prefix_with_its_context(target, head_file, prompts):
+    """From another head session whose context covers it: the target's KV and the head's context
+    rows, so only the rest is prefilled; the output stays the target's. Sampled sessions and
+    sessions of other methods are not donors or takers."""
+    model = target[1]
+    spec = serving(target, head_file)
+    engine = spec.engine
+    params = SamplingParams(max_new_tokens=8)
+    long = prompts[2] * 8
+    donor = open_head_session(engine, spec, long + prompts[3], params, "donor")
+    plain = engine.open("plain", long + [7], params, reuse_prefix=False)
+    prompt = long + prompts[0]
+    s = engine.open("taker", prompt, params, reuse_prefix=False)
+    h = s.drafting = spec.open(s)
+    spec.share_prefix(s, h, [plain, donor])
+    assert s.cache.length == h.context.length == len(long)
+    for (k, v), (dk, dv) in zip(h.context.view(), donor.drafting.context.view()):
+        assert torch.equal(k, dk[:, :len(long)]) and torch.equal(v, dv[:, :len(long)])
+    for piece in engine.prefill_chunks(s, 512):
+        spec.prefill_then(s, h, lambda logits: None)(engine.model.forward(piece, s.cache, last=1, taps=spec.taps))
+    spec.start(s, h)
+    while not s.stop_reason:
+        step, _ = spec.step(s, h)
+        step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+    assert s.tokens[len(prompt):] == reference(model, prompt, params)
+    sampled = engine.open("sampled", prompt, SamplingParams(max_new_tokens=8, temperature=0.8, seed=1),
+                          reuse_prefix=False)
+    sampled.drafting = spec.open(sampled)
+    spec.share_prefix(sampled, sampled.drafting, [donor])
+    assert sampled.cache.length == 0
+    for session in (donor, plain, s, sampled):
+        session.cache.release()

@@ -37,19 +37,25 @@ def rows_alone_equal(layer, x: torch.Tensor) -> bool:
         return all(torch.equal(layer(x[:n])[i], alone[i][0]) for n in (2, 3, 9, 33, 40, len(x)) for i in range(n))
 
 
-@pytest.mark.parametrize("kind", ["packed float32", "packed bfloat16", "int8"])
-def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind):
+@pytest.mark.parametrize("kind", ["packed float32", "packed bfloat16", "packed bfloat16 on float32 kernels", "int8",
+                                  "int8 with 7-bit weights"])
+def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, monkeypatch):
     """Calls of more than 32 rows included: where the CPU has AMX tiles, oneDNN takes other
-    bfloat16 kernels there (gemm.ROWS_PER_CALL)."""
+    bfloat16 kernels there (gemm.ROWS_PER_CALL). The ways a CPU without bfloat16 kernels or VNNI
+    computes are checked on any CPU."""
+    if kind == "packed bfloat16 on float32 kernels":
+        monkeypatch.setattr(gemm, "bfloat16_kernels", lambda: False)
+    if kind == "int8 with 7-bit weights":
+        monkeypatch.setattr(gemm, "u8s8_pairs_saturate", lambda: True)
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 960)
     x = torch.randn(70, 576)
-    if kind == "packed bfloat16":
+    if kind.startswith("packed bfloat16"):
         linear, x = linear.bfloat16(), x.bfloat16()
-    layer = Int8Linear(linear) if kind == "int8" else PackedLinear(linear)
+    layer = Int8Linear(linear) if kind.startswith("int8") else PackedLinear(linear)
     assert rows_alone_equal(layer, x)
     reference_out = linear(x).float()
-    assert torch.allclose(layer(x).float(), reference_out, atol=0.05 if kind == "int8" else 0.02)
+    assert torch.allclose(layer(x).float(), reference_out, atol=0.05 if kind.startswith("int8") else 0.02)
 
 
 def test_the_stock_kernel_is_not_invariant():

@@ -17,7 +17,12 @@ too, round after round, until the price falls enough for the last proposal's rea
 sampled ones use the fixed rule, so that a seed gives the same
 output on any worker at any load. When
 the head is not confident enough to propose anything, the next 1, 2, 4, then at most MAX_REST
-rounds decode plainly without a head pass (its context still grows), and a proposal ends the rest.
+rounds decode plainly without a head pass, and a proposal ends the rest. While the head drafts
+nothing, the committed positions' states are held back and join its context in one call when it
+drafts again or HELD_ROWS of them wait, instead of one call of the head's layers every round.
+
+A greedy session copies a prompt prefix from another head session (live, or kept for a next turn)
+whose context covers it: the target's KV and the head's context rows together (share_prefix).
 
 Each draft also looks the context's end up earlier in it (prompt lookup, as n-gram drafting does)
 and proposes what followed instead of the head's block when that promises more accepted tokens: by
@@ -82,6 +87,8 @@ class HeadSpeculation:
         self.drafter, self.engine = drafter, engine
         self.taps = state_indices(drafter.taps)           # indices into the target's hidden states
         self.draft_ms = 0.0                                # running mean of one head pass
+        # greedy, across sessions: the price of the latest pass, and the latest proposal's reach
+        self.price, self.reach = 0.0, None
 
     def open(self, s: TargetSession) -> HeadSession:
         return HeadSession(self.drafter.new_context(s.cache.capacity),
@@ -107,6 +114,13 @@ class HeadSpeculation:
             h.context.copy_prefix(donor.drafting.context, s.cache.length)
 
     def start(self, s: TargetSession, h: HeadSession) -> None:
+        """The first proposal, unless (greedy) the latest proposal of any session would not pay
+        for its head pass at the latest price: then the session starts as one whose proposal did
+        not pay, and drafts once the price falls enough (HeadSession.price, reach)."""
+        if s.params.greedy and self.reach is not None:
+            h.price, h.reach = self.price, self.reach
+            if not pays_for_head_pass(self.reach, self.price, self._head_positions()):
+                return
         self.draft(s, h)
 
     def propose_seconds(self) -> float:
@@ -158,7 +172,9 @@ class HeadSpeculation:
             if s.params.greedy:
                 k = min(k, worth_its_price(draft.confidence, price))
                 reach = list(accumulate(draft.confidence, mul))
-                h.price, h.reach = price, reach if h.proposal is not None else h.reach
+                if h.proposal is not None:
+                    h.reach = self.reach = reach
+                h.price = self.price = price
                 if not pays_for_head_pass(reach[:k], price, self._head_positions()):
                     k = 0
         k = max(0, min(room, k))
