@@ -96,7 +96,7 @@ class VerifyEngine:
         want = s.prompt_len - 1                   # the last prompt token goes with the first round
         pairs = [(d.tokens if upto is None else d.tokens[:upto(d)], d.cache) for d in donors]
         chosen = copy_longest_prefix(s.cache, s.tokens[:want], pairs, least)
-        return next((d for d in donors if d.cache is chosen), None) if chosen is not None else None
+        return next((d for d in donors if d.cache is chosen), None)
 
     @staticmethod
     def prefill_chunks(s: TargetSession, chunk: int) -> list[list[int]]:
