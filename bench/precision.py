@@ -98,7 +98,11 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     fill_defaults(a, QUICK, FULL)
     prompts = PROMPTS[:a.prompts]
-    result = {"machine": machine(), "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
+    m = machine()
+    print(f"{m['cpu']} ({', '.join(m['cpu_features']) or 'no listed features'}): bfloat16 on "
+          f"{'its own' if m['bfloat16_kernels'] else 'float32'} kernels, int8 weights in {m['int8_weight_bits']} bits",
+          flush=True)
+    result = {"machine": m, "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
                                                                          "max_new_tokens", "dtypes")}}
     start = time.perf_counter()
     tandem = {dtype: tandem_rows(a, dtype, prompts) for dtype in a.dtypes.split(",")}

@@ -12,10 +12,26 @@ from pathlib import Path
 import torch
 
 
+# the CPU features that decide which kernels a dtype gets (tandem.engine.gemm)
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+
+
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from tandem.engine import gemm
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_features": [f for f in FEATURES if f in flags], "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "bfloat16_kernels": gemm.bfloat16_kernels(),
+            "int8_weight_bits": 7 if gemm.u8s8_pairs_saturate() else 8}
 
 
 def fill_defaults(args, quick: dict, full: dict) -> None:

@@ -45,7 +45,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -337,9 +336,7 @@ def main(argv=None) -> None:
     for m in mismatches:
         print(f"\nMISMATCH {m['pair']} {m['streams']} stream(s) {m['layout']} prompt {m['prompt']}:\n"
               f"  {m['layout']}: {m['text']!r}\n  plain: {m['plain']!r}")
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), "")
-    write_json(a.out, {"machine": {**machine(), "cpu_model": cpu},
+    write_json(a.out, {"machine": machine(),
                        "setup": {**vars(a), "pairs": {p: PAIRS[p] for p in pairs}, "prompts": PROMPTS[:a.prompts],
                                  "affinity": affinities},
                        "layouts": rows, "mismatches": mismatches, "runs": runs})

@@ -58,6 +58,16 @@ def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, monkeypatch):
     assert torch.allclose(layer(x).float(), reference_out, atol=0.05 if kind.startswith("int8") else 0.02)
 
 
+def test_a_fallback_says_so_at_load(monkeypatch, caplog):
+    """An operator learns from the log when a dtype runs on other kernels than its own."""
+    monkeypatch.setattr(gemm, "bfloat16_kernels", lambda: False)
+    monkeypatch.setattr(gemm, "u8s8_pairs_saturate", lambda: True)
+    with caplog.at_level("WARNING", logger="tandem.engine.gemm"):
+        assert gemm.pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16())) == 1
+        assert gemm.quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 8))) == 1
+    assert "bfloat16 layers run on float32 kernels" in caplog.text and "int8 weights take 7 bits" in caplog.text
+
+
 def test_the_stock_kernel_is_not_invariant():
     """What the check above would catch: torch's stock float32 kernel sums a lone row in another
     order (so would dynamic quantization, which scales a call's inputs over all its rows)."""

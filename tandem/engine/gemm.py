@@ -40,9 +40,12 @@ torch's stock kernel, so packed logits differ from unpacked ones in the last bit
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -256,6 +259,9 @@ def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
     another module shares the weight (a tied output layer keeps the embedding's), so memory grows
     by at most that one matrix."""
     swaps = _linears(model, PACKED_DTYPES)
+    if any(child.weight.dtype == torch.bfloat16 for *_, child in swaps) and not bfloat16_kernels():
+        log.warning("this CPU has no oneDNN bfloat16 kernels (they need AVX-512): bfloat16 layers run on "
+                    "float32 kernels, at float32's speed")
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, id(child.weight) in others, invariant))
@@ -274,6 +280,8 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True) -> int:
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
             torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         return len(swaps)
+    if swaps and u8s8_pairs_saturate():
+        log.warning("this CPU's int8 kernel saturates sums of 8-bit products (no VNNI): int8 weights take 7 bits")
     for parent, name, child in swaps:
         setattr(parent, name, Int8Linear(child))
     if swaps:
