@@ -72,9 +72,12 @@ class HeadSession:
     # committed positions' tapped states not yet in the context, while the head drafts nothing
     held: list[torch.Tensor] = field(default_factory=list)
 
+    def held_rows(self) -> int:
+        return sum(f.shape[0] for f in self.held)
+
     def known(self) -> int:
         """The positions the head has states for: its context and what is held back."""
-        return self.context.length + sum(f.shape[0] for f in self.held)
+        return self.context.length + self.held_rows()
 
 
 class HeadSpeculation:
@@ -204,7 +207,7 @@ class HeadSpeculation:
         if ngram and proposed:
             h.lookups[ngram].add(logits.shape[0] - 1, verdict.accepted)
         h.held.append(features[:s.cache.length - h.known()].clone())   # not a view of the whole pass
-        if sum(f.shape[0] for f in h.held) >= HELD_ROWS:
+        if h.held_rows() >= HELD_ROWS:
             self._catch_up(h)
         h.proposal = None
         if verdict.stop_reason:
