@@ -152,13 +152,18 @@ class Stack:
         try:
             if not self.redis_url:
                 self.redis_url, self._redis = ensure_redis()
-            # One pool after the other: each worker times its forward pass at start-up (--calibrate),
-            # and two pools loading at once on the same cores would time each other's noise.
-            for kind, count in (("verify_worker", self.verify_workers), ("draft_worker", self.draft_workers)):
-                names = [self.add_worker(kind, wait=False) for _ in range(count)]
+            # A worker with a model times its forward passes at start-up (--calibrate), and two pools
+            # loading at once on the same cores would time each other's noise: those pools start one
+            # after the other. The gateway and a model-free draft pool time nothing; they start with the
+            # first pool, their imports done while its workers import and load theirs (the gateway
+            # finds workers in the registry per request, whenever they come).
+            counts = {"verify_worker": self.verify_workers, "draft_worker": self.draft_workers}
+            steps = [["verify_worker", "draft_worker"]] if self.draft == "none" else [["verify_worker"], ["draft_worker"]]
+            self._spawn("gateway", ["--model", self.target, *self.gateway_args], self.gateway_port or free_port())
+            for kinds in steps:
+                names = [self.add_worker(kind, wait=False) for kind in kinds for _ in range(counts[kind])]
                 for name in names:
                     wait_serving(self.address(name), self.procs[name], timeout, self.tls)
-            self._spawn("gateway", ["--model", self.target, *self.gateway_args], self.gateway_port or free_port())
             wait_serving(self.address("gateway"), self.procs["gateway"], timeout, self.tls)
         except BaseException:
             self.stop()

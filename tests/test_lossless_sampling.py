@@ -64,8 +64,8 @@ def lookup_friendly_prompt(model, params) -> list[int]:
     raise AssertionError("no prompt found where the lookup proposal is plausible")
 
 
-CASES = [
-    ("model", SamplingParams(temperature=1.0, top_k=4, max_new_tokens=2)),
+CASES = [   # the first a variant (top-k is in tests/test_distribution.py's configs too)
+    pytest.param("model", SamplingParams(temperature=1.0, top_k=4, max_new_tokens=2), marks=pytest.mark.slow),
     ("model", SamplingParams(temperature=1.5, top_p=0.8, max_new_tokens=2)),
     ("ngram", SamplingParams(temperature=3.0, top_k=5, max_new_tokens=2)),
 ]

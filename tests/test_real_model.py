@@ -125,7 +125,7 @@ def test_the_head_proposes_a_prompt_lookup_where_the_answer_copies_the_prompt(sm
     assert lookup_accepted / lookup_proposed > head_accepted / max(1, head_proposed), by_source
 
 
-@pytest.mark.parametrize("method", ["model", "ngram"])
+@pytest.mark.parametrize("method", ["model", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_real_model_trees_equal_transformers(smollm, method):
     """Trees on real weights: SmolLM2 verifies the trees of its own int8 copy (branches at the
     copy's second choices, leaves where it is unsure) or of prompt lookup, with repetition_penalty
