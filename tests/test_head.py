@@ -508,6 +508,31 @@ def test_load_drafter_refuses_a_head_for_another_target(target, tmp_path):
         checkpoint.load_drafter("shipped", target[1], "no-such-preset")
 
 
+def test_a_head_file_whose_sha256_is_not_the_one_given_or_shipped_is_refused(target, head_file, tmp_path, monkeypatch):
+    folder, model, _ = target
+    digest = checkpoint.sha256(head_file)
+    assert checkpoint.load_drafter(str(head_file), model, str(folder), digest.upper()) is not None
+    other = "0" * 64
+    with pytest.raises(HeadFileError, match=f"head.safetensors has sha256 {digest}, not {other}: the file is damaged"):
+        checkpoint.load_drafter(str(head_file), model, str(folder), other)
+    # 'shipped': always checked against the sha256 recorded beside it
+    monkeypatch.setattr(checkpoint, "SHIPPED", tmp_path)
+    shipped = tmp_path / "tiny.safetensors"
+    shipped.write_bytes(head_file.read_bytes())
+    with pytest.raises(HeadFileError, match="no sha256 is recorded for the shipped head tiny.safetensors"):
+        checkpoint.load_drafter("shipped", model, "tiny")
+    (tmp_path / "SHA256SUMS").write_text(f"{digest}  tiny.safetensors\n")
+    assert checkpoint.load_drafter("shipped", model, "tiny") is not None
+    shipped.write_bytes(head_file.read_bytes()[:-1] + b" ")             # one byte changed
+    with pytest.raises(HeadFileError, match="tiny.safetensors has sha256 .*, not " + digest):
+        checkpoint.load_drafter("shipped", model, "tiny")
+
+
+def test_the_shipped_head_is_the_one_its_sha256sums_records():
+    path = checkpoint.shipped("smollm2-135m-instruct")      # raises when the file is not the one recorded
+    assert checkpoint.sha256(path) in (checkpoint.SHIPPED / "SHA256SUMS").read_text()
+
+
 # ---------------------------------------------------------------------------------------------
 # choose_k, the context, the Markov and confidence heads
 # ---------------------------------------------------------------------------------------------

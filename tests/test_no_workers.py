@@ -88,6 +88,8 @@ def test_no_verify_worker_then_no_draft_worker_then_redis_lost(tiny_pair, tiny_m
      "--redis-url / REDIS_URL: Redis URL 'http://127.0.0.1:6379' must start with redis://"),
     ("draft_worker", ["--heartbeat-seconds", "0"], "--heartbeat-seconds must be > 0, got 0.0"),
     ("verify_worker", ["--kv-budget-tokens", "-5"], "--kv-budget-tokens must be > 0"),
+    ("verify_worker", ["--head", "shipped", "--head-sha256", "8aa637"],
+     "--head-sha256 must be 64 hex digits and needs --head, got '8aa637'"),
 ])
 def test_bad_flags_stop_start_up_with_a_clear_message(service, flags, message, tiny_pair):
     import subprocess

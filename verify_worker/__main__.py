@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import time
 
 from tandem.cluster.registry import VERIFY, WorkerInfo, advertise_address, heartbeat_for
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--head", default="",
              help="a trained head to draft with beside the target (draft method 'head'): a head file, a "
                   "DeepSpec checkpoint folder, or 'shipped' for the one shipped for --model; empty: none")
+    add_flag(parser, "--head-sha256", default="",
+             help="the sha256 (hex) the --head file (a DeepSpec folder's weights file) must have, or the worker "
+                  "does not start; 'shipped' is always checked against the sha256 shipped with it")
     add_guide_flags(parser)
     add_worker_flags(parser)
     return parser.parse_args(argv)
@@ -75,6 +79,9 @@ async def main(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.admission_timeout < 0:
         raise SystemExit(f"--admission-timeout must be >= 0, got {args.admission_timeout}")
+    if args.head_sha256 and not (args.head and re.fullmatch(r"[0-9a-fA-F]{64}", args.head_sha256)):
+        raise SystemExit(f"--head-sha256 must be 64 hex digits and needs --head, got {args.head_sha256!r}"
+                         f"{'' if args.head else ' without --head'}")
     inference = InferenceThread("verify", metrics.queue_gauge("verify"))
 
     def load() -> CausalLM:
@@ -96,7 +103,7 @@ async def main(args: argparse.Namespace) -> None:
     head = None
     if args.head:
         try:
-            head = HeadSpeculation(load_drafter(args.head, model, args.model), engine)
+            head = HeadSpeculation(load_drafter(args.head, model, args.model, args.head_sha256), engine)
         except HeadFileError as e:
             raise SystemExit(f"--head: {e}") from None
         metrics.register("verify_worker_head")

@@ -84,10 +84,14 @@ def load(path: Path | str) -> tuple[BlockHead, dict]:
     return head, {"target": meta.get("target", ""), "trained": trained}
 
 
+def _deepspec_weights(folder: Path) -> Path | None:
+    return next((folder / n for n in ("model.safetensors", "pytorch_model.safetensors") if (folder / n).exists()),
+                None)
+
+
 def _load_deepspec(folder: Path) -> tuple[BlockHead, dict]:
     config_file = folder / "config.json"
-    weights = next((folder / n for n in ("model.safetensors", "pytorch_model.safetensors")
-                    if (folder / n).exists()), None)
+    weights = _deepspec_weights(folder)
     if not config_file.exists() or weights is None:
         raise HeadFileError(f"{folder.name}: a DeepSpec checkpoint needs config.json and model.safetensors")
     raw = _config(config_file.read_text(), folder.name, parse_only=True)
@@ -145,25 +149,48 @@ def check_target(config: HeadConfig, target_config) -> None:
         raise HeadFileError(f"head taps layers {config.target_layer_ids}; the target has {layers}")
 
 
-SHIPPED = Path(__file__).parent / "trained"      # heads shipped with Tandem, one per target preset
+# Heads shipped with Tandem, one per target preset, and their SHA256SUMS (sha256sum's format).
+SHIPPED = Path(__file__).parent / "trained"
 
 
 def shipped(target: str) -> Path:
-    """The head shipped for a target preset; HeadFileError when there is none."""
+    """The head shipped for a target preset, once its bytes are the ones SHA256SUMS records;
+    HeadFileError when there is none, or when it is not the file shipped."""
     path = SHIPPED / f"{target}.safetensors"
     if not path.exists():
         have = sorted(p.stem for p in SHIPPED.glob("*.safetensors"))
         raise HeadFileError(f"no head is shipped for {target!r} (shipped: {', '.join(have) or 'none'})")
+    sums = SHIPPED / "SHA256SUMS"
+    lines = sums.read_text().splitlines() if sums.exists() else []
+    recorded = {name.strip(): digest for digest, _, name in (line.partition("  ") for line in lines)}
+    if path.name not in recorded:
+        raise HeadFileError(f"no sha256 is recorded for the shipped head {path.name} in {sums.name}")
+    check_sha256(path, recorded[path.name])
     return path
 
 
-def load_drafter(spec: str, model, target: str):
+def check_sha256(path: Path, want: str) -> None:
+    """HeadFileError unless the file's sha256 is `want` (hex)."""
+    have = sha256(path)
+    if have != want.strip().lower():
+        raise HeadFileError(f"{path.name} has sha256 {have}, not {want.strip().lower()}: the file is damaged "
+                            "or is not the head meant")
+
+
+def load_drafter(spec: str, model, target: str, digest: str = ""):
     """The HeadDrafter for a serving target (tandem.engine.modeling.CausalLM): `spec` is a head
-    file, a DeepSpec folder or 'shipped'. The head's decoder layers run on packed weights where
-    the target's do (tandem.engine.gemm)."""
+    file, a DeepSpec folder or 'shipped' (checked against the sha256 shipped with it). `digest`:
+    the sha256 the head's file (a folder's weights file) must have, when given. The head's decoder
+    layers run on packed weights where the target's do (tandem.engine.gemm)."""
     from tandem.engine import gemm
     from tandem.head.drafter import HeadDrafter
-    head, _ = load(shipped(target) if spec == "shipped" else spec)
+    path = shipped(target) if spec == "shipped" else Path(spec)
+    if digest:
+        weights = _deepspec_weights(path) if path.is_dir() else path
+        if weights is None or not weights.exists():
+            raise HeadFileError(f"cannot check the sha256 of {path.name}: no head file there")
+        check_sha256(weights, digest)
+    head, _ = load(path)
     check_target(head.config, model.model.config)
     if model.packed:
         gemm.pack_linears(head.layers)

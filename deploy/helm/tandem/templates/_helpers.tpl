@@ -260,6 +260,8 @@ float16 on a GPU only; the worker refuses them elsewhere. */}}
   value: {{ .pool.packedGemm | quote }}
 - name: TANDEM_HEAD
   value: {{ .pool.head | default "" | quote }}
+- name: TANDEM_HEAD_SHA256
+  value: {{ .pool.headSha256 | default "" | quote }}
 {{- else }}
 # the name it registers under: without it the gateway would use this pod for n-gram drafting only
 - name: TANDEM_TARGET_MODEL
