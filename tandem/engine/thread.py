@@ -30,7 +30,6 @@ class InferenceThread:
     def __init__(self, name: str, gauge=None) -> None:
         """gauge: a Prometheus gauge that follows the queue depth, if any."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._waiting = 0         # jobs submitted and not yet started: the queue depth
         self._gauge = gauge
         self.name = name
         _busy.setdefault(name, 0.0)     # exported at 0 before the first job
@@ -49,8 +48,8 @@ class InferenceThread:
                 self._move(-1)
 
     def _move(self, n: int) -> None:
-        # Changed on the event loop and on the inference thread; += on an int is atomic under the GIL.
-        self._waiting += n
+        """The queue depth (jobs submitted and not yet started) moves by n: on the event loop and on
+        the inference thread, which a Prometheus gauge takes from any thread."""
         if self._gauge is not None:
             self._gauge.inc(n)
 

@@ -243,12 +243,6 @@ class BlockHead(nn.Module):
             x = layer(x, positions, k, v, mask)
         return self.norm(x)
 
-    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | None:
-        """[..., vocab] logit bias from the previous tokens [...] (None without a Markov head)."""
-        if self.markov_head is None:
-            return None
-        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
-
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """Logits [...] of the probability that the target accepts each position."""
         if self.confidence_head is None:
