@@ -122,12 +122,14 @@ async def main(args: argparse.Namespace) -> None:
     def describe() -> WorkerInfo:
         # Registered under the target it drafts for: the gateway never pairs it with another model.
         return WorkerInfo(address=address, pool=DRAFT, model=args.target_model, methods=sorted(drafters),
-                          load=len(servicer.sessions), started_at=started)
+                          load=len(servicer.sessions), started_at=started, links_down=sorted(servicer.links_down))
 
     heartbeat = heartbeat_for(args, describe)
+    probing = asyncio.create_task(servicer.probe_links(args.heartbeat_seconds))
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
                         on_ready=lambda: log.info("draft worker serving %s on %s:%d", sorted(drafters),
                                                   args.host, port))
+    probing.cancel()
     await servicer.close()
     inference.shutdown()
 

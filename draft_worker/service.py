@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -22,6 +23,7 @@ from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+LINK_FORGET_S = 600.0   # a link down this long leaves the registry entry (probe_links)
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
@@ -38,6 +40,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.routes = routes or {}
         self.link_timeout = link_timeout
+        # verify worker -> when its link was found down (no connection within the link timeout, or a
+        # stream lost): listed in this worker's registry entry, so that no gateway pairs the two,
+        # until a probe (probe_links) connects again
+        self.links_down: dict[str, float] = {}
         # by (method, verify worker), then kind of proposal: acceptance by position over recent
         # sessions, a new session's prior
         self._acceptance: dict[tuple[str, str], dict[object, Survival]] = {}
@@ -54,8 +60,37 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         try:
             await asyncio.wait_for(channel.channel_ready(), self.link_timeout)
         except asyncio.TimeoutError:
+            self._link_down(address)
             return None
         return pb_grpc.VerifyServiceStub(channel)
+
+    def _link_down(self, address: str) -> None:
+        if address not in self.links_down:
+            log.warning("the link to verify worker %s is down: listed in this worker's registry entry until "
+                        "a connection comes up", address)
+            self.links_down[address] = time.monotonic()
+
+    async def probe_links(self, every: float) -> None:
+        """Every `every` seconds, asks each verify worker whose link is down for its status, through
+        the link: an answer within the link timeout takes the link off the list (a connection alone
+        does not: a stalled link keeps its connection up until keepalive drops it). One down for
+        LINK_FORGET_S is forgotten: its worker is likely gone, and a gateway that still routes there
+        learns of a partition per request again."""
+        while True:
+            await asyncio.sleep(every)
+            for address, since in list(self.links_down.items()):
+                if time.monotonic() - since > LINK_FORGET_S:
+                    del self.links_down[address]
+                    continue
+                stub = await self._verify_stub(address)
+                try:
+                    if stub is not None:
+                        await stub.Status(pb.StatusRequest(), timeout=self.link_timeout)
+                        del self.links_down[address]
+                        metrics.LINK_EVENTS.labels("restored").inc()
+                        log.info("the link to verify worker %s is up again", address)
+                except grpc.aio.AioRpcError:
+                    pass
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -100,6 +135,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # itself still answers it, decodes on there without speculation), not off this one.
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 metrics.LINK_EVENTS.labels("lost").inc()
+                self._link_down(request.verify_address)
             await self._relay(context, request.verify_address, e.code(), e.details())
         except VerifyClosed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=wire.FAILED_VERIFY)

@@ -87,7 +87,7 @@ class Router:
     def link_failed(self, draft: str, verify: str) -> None:
         self._links_down[(draft, verify)] = time.monotonic() + self.link_seconds
 
-    def _down_links(self, verify: str) -> dict[str, float]:
+    async def down_links(self, verify: str) -> dict[str, float]:
         """Draft workers whose link to `verify` failed lately, with when each may be tried again."""
         now = time.monotonic()
         for key in [k for k, until in self._links_down.items() if until <= now]:
@@ -115,7 +115,7 @@ class Router:
                 self._fell_back(method, verify, "no verify worker with a trained head is available")
                 return Route(verify, None, "none", need(self.room(verify)))
         verify = await self.pick_verify(affinity, set(exclude), need)
-        down = self._down_links(verify) if method != "none" else {}
+        down = await self.down_links(verify) if method != "none" else {}
         draft = await self.pick_draft(method, set(exclude) | set(down)) if method != "none" else None
         retry_at = None
         if method != "none" and draft is None:
@@ -216,6 +216,14 @@ class RedisRouter(Router):
 
     def room(self, verify: str) -> int:
         return self._rooms.get(verify, proposal_room())
+
+    async def down_links(self, verify: str) -> dict[str, float]:
+        """Besides this gateway's own, the links to `verify` that draft workers list as down in the
+        registry (found by any gateway, or by the draft worker itself): each is tried again once the
+        draft worker's probe finds it up, or after link_seconds at most."""
+        own = await super().down_links(verify)
+        listed = [w.address for w in await self._workers(DRAFT) if verify in w.links_down and w.address not in own]
+        return own | dict.fromkeys(listed, time.monotonic() + self.link_seconds)
 
     async def verify_pool(self) -> list[WorkerInfo]:
         self.pool = [w for w in await self._workers(VERIFY) if w.model == self.model]

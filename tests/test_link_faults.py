@@ -3,6 +3,7 @@ through a userspace proxy (tandem.linkproxy) that stalls, resets, partitions and
 while the gateway still reaches both workers. Output must equal transformers' generate on the target
 alone, nothing may be lost, and speculation must come back once the link does."""
 
+import asyncio
 import signal
 import time
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from tandem.client import build_request
+from tandem.cluster.redis_conn import connect
+from tandem.cluster.registry import DRAFT, Registry
 from tandem.launch import Stack
 from tandem.linkproxy import ProxyThread
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -40,14 +43,35 @@ def expected(tiny_pair):
 
 @pytest.fixture(scope="module")
 def linked(tiny_pair, redis_server):
-    """(stack, proxy): one verify worker, one draft worker that reaches it only through the proxy."""
+    """(stack, proxy): one verify worker, one draft worker that reaches it only through the proxy, and
+    two gateways (gateway-2 for requests from a gateway that has not met a fault itself)."""
     target, draft = tiny_pair
     with Stack(str(target), str(draft), threads=1, redis_url=redis_server.url, draft_workers=0,
                heartbeat_seconds=0.5, gateway_args=["--link-retry-seconds", "1"]) as stack:
         with ProxyThread(stack.address("verify_worker")) as proxy:
             stack.add_worker("draft_worker", extra_args=[
                 "--verify-route", f"{stack.address('verify_worker')}={proxy.address}", "--link-timeout", "0.5", "--pipeline"])
+            stack.add_gateway(["--link-retry-seconds", "1"])
             yield stack, proxy
+
+
+def links_down(stack: Stack) -> list[str]:
+    """The verify workers the draft worker's registry entry lists its link to as down."""
+    async def read() -> list[str]:
+        client = connect(stack.redis_url)
+        try:
+            return {w.address: w.links_down for w in await Registry(client).workers(DRAFT)}[stack.address("draft_worker")]
+        finally:
+            await client.aclose()
+    return asyncio.run(read())
+
+
+def until(condition, within: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < within
+        time.sleep(0.1)
+    return time.monotonic() - start
 
 
 def request(n: int):
@@ -56,10 +80,10 @@ def request(n: int):
     return req
 
 
-def stream(stack: Stack, n: int, during=lambda: None):
+def stream(stack: Stack, n: int, during=lambda: None, gateway: str = "gateway"):
     """Streams a request; calls during() after the first message; (text, final message, seconds)."""
     start = time.monotonic()
-    with grpc.insecure_channel(stack.address("gateway")) as ch:
+    with grpc.insecure_channel(stack.address(gateway)) as ch:
         call = pb_grpc.GenerationServiceStub(ch).GenerateStream(request(n), timeout=120)
         first = next(call)
         during()
@@ -107,7 +131,11 @@ def test_a_reset_mid_round_loses_nothing(linked, expected):
 
 
 def test_a_ten_second_partition_costs_speculation_not_output(linked, expected):
+    """Besides the output: the draft worker lists the link as down in its registry entry, so that
+    a gateway that has not met the fault itself decodes plainly without asking the draft worker,
+    and takes the link off once its probe gets an answer through it again."""
     stack, proxy = linked
+    verify = stack.address("verify_worker")
     proxy.stall(True)
     try:
         ends = time.monotonic() + 10
@@ -118,8 +146,16 @@ def test_a_ten_second_partition_costs_speculation_not_output(linked, expected):
             assert seconds < 8, f"a request waited {seconds:.1f}s for the partitioned draft pool"
             served += 1
         assert served >= 2
+        assert links_down(stack) == [verify]
+        before = scrape(stack, "draft_worker")
+        text, final, _ = stream(stack, SHORT, gateway="gateway-2")
+        assert text == expected[SHORT] and final.usage.draft_method == "none"
+        assert moved(before, scrape(stack, "draft_worker"), "tandem_draft_link_events_total", event="unreachable") == 0
     finally:
         proxy.stall(False)
+    restored = scrape(stack, "draft_worker")
+    until(lambda: links_down(stack) == [], within=10)
+    assert moved(restored, scrape(stack, "draft_worker"), "tandem_draft_link_events_total", event="restored") == 1
     assert speculating_again(stack, expected, within=10) < 10
 
 

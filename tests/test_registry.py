@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import pytest
 from redis.exceptions import AuthenticationError
@@ -175,6 +176,24 @@ async def test_router_prefers_affinity_then_room_then_least_loaded(redis_client)
     assert await router.pick_draft("model", set()) is None
     with pytest.raises(RoutingError, match="no verify worker for model 'none'"):
         await RedisRouter(reg, "none", "redis://test").pick_verify("", set())
+
+
+@pytest.mark.system
+async def test_a_link_a_draft_worker_lists_down_is_not_paired_by_any_gateway(redis_client):
+    from gateway.routing import RedisRouter
+    reg = Registry(redis_client)
+    router = RedisRouter(reg, "m", "redis://test")
+    await reg.register(WorkerInfo("v:1", VERIFY, "m"), ttl=5)
+    await reg.register(WorkerInfo("v:2", VERIFY, "m", load=5), ttl=5)
+    await reg.register(WorkerInfo("d:1", DRAFT, "m", methods=["model"], links_down=["v:1"]), ttl=5)
+    route = await router.route("model", affinity="v:1")
+    assert (route.verify, route.draft, route.method) == ("v:1", None, "none")       # plainly, and tried again
+    assert route.retry_at is not None and route.retry_at <= time.monotonic() + router.link_seconds
+    route = await router.route("model", affinity="v:2")
+    assert (route.verify, route.draft, route.method) == ("v:2", "d:1", "model")     # its other links are up
+    await reg.register(WorkerInfo("d:1", DRAFT, "m", methods=["model"]), ttl=5)     # its probe found it up
+    route = await router.route("model", affinity="v:1")
+    assert (route.draft, route.method) == ("d:1", "model")
 
 
 @pytest.mark.system

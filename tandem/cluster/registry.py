@@ -38,6 +38,7 @@ class WorkerInfo:
     kv_margin: int = 0               # what a session reserves beyond its prompt and new tokens: the
                                      # room of a proposal (tandem.engine.kvpool.proposal_room)
     started_at: float = 0.0          # a restarted worker at the same address has a new value
+    links_down: list[str] = field(default_factory=list)   # draft: verify workers its link to is down
     heartbeat_at: float = 0.0
 
 

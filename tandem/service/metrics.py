@@ -113,8 +113,8 @@ TREE_ROUNDS = Counter("tandem_draft_tree_rounds", "Rounds proposed as a token tr
                       "the verdict took: line (the main line's tokens only) or branch (through a branch or a "
                       "leaf: tokens a chain would not have had)", ["path"], registry=_NO)
 LINK_EVENTS = Counter("tandem_draft_link_events", "Requests a fault of the link to their verify worker ended "
-                      "here: unreachable (no connection within --link-timeout), lost (the stream broke mid-request)",
-                      ["event"], registry=_NO)
+                      "here: unreachable (no connection within --link-timeout), lost (the stream broke mid-request); "
+                      "restored: a link listed down answered a probe again", ["event"], registry=_NO)
 
 # ---- verify worker ----
 VERIFY_QUEUE = Gauge("tandem_verify_queue_depth", "Work waiting for the target: rounds and prefill chunks queued "
