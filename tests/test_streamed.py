@@ -11,6 +11,7 @@ import torch
 
 from draft_worker.drafters import Draft
 from draft_worker.streamed import BranchRows, Streaming
+from tandem.speculation.survival import Survival
 from tandem.client import build_request
 from tandem.service import metrics
 from tandem.speculation.drafting import Drawn
@@ -112,6 +113,24 @@ async def test_alone_a_pass_waits_briefly_for_a_short_run_and_cuts_a_long_one():
     shared.gap = 0.01
     shared.add(ipb.Proposal(token_ids=[2], start=1, after=1))
     assert await asyncio.wait_for(shared.next(), 0.1) == [2]        # sharing passes: no waiting
+
+
+@pytest.mark.unit
+async def test_a_new_streamed_session_starts_from_the_acceptance_of_the_workers_earlier_ones():
+    prior = Survival()
+    first = StreamedRun(_Session([1]), max_proposal=8, price=lambda: 0.6, prior=prior)
+    first.add(ipb.Proposal(token_ids=[2, 3, 4, 5, 6], start=1, after=1))
+    assert await first.next() == [2]                                # nothing measured yet: one position
+    for _ in range(10):
+        first.tokens, first.run = [1], [2, 3, 4, 5, 6]
+        first.judged([2, 3, 4, 5, 6, 7], 5, 5)                      # runs accepted whole
+    assert prior.reach(5)[-1] > 0.6                                 # the worker's prior learnt it too
+    later = StreamedRun(_Session([1]), max_proposal=8, price=lambda: 0.6, prior=prior)
+    later.add(ipb.Proposal(token_ids=[2, 3, 4, 5, 6], start=1, after=1))
+    assert await later.next() == [2, 3, 4, 5, 6]                    # from its first pass
+    for _ in range(8):
+        later.survival.add(5, 0)                                    # its own passes soon outweigh it
+    assert await later.next() == [2]
 
 
 class _Scripted:

@@ -14,16 +14,16 @@ from tandem.engine.batcher import Batcher, Ran, Step
 from tandem.service import logs, metrics, telemetry, wire
 from tandem.service.telemetry import round_attributes
 from tandem.speculation.grammar import GrammarError, Grammars, Matcher
+from tandem.speculation.survival import Survival
 from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 from verify_worker.engine import ProtocolError, TargetSession, VerifyEngine
 from verify_worker.kvstore import KVBudgetExceeded, SessionKeeper
 from verify_worker.price import TokenPrice, report_pass_speed
 from verify_worker.rounds import OWN_METHODS, OwnDrafting, Plain
-from verify_worker.streamed import StreamedRun, read_pieces
+from verify_worker.streamed import HALF_CLOSE_S, StreamedRun, read_pieces
 
 log = logging.getLogger(__name__)
-HALF_CLOSE_S = 2.0      # how long a finished streamed session waits for the draft side to close its side
 
 
 class VerifyServicer(pb_grpc.VerifyServiceServicer):
@@ -45,14 +45,14 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
                                  self.price.observe_pass(tokens, prefill, seconds, sessions))
         batcher.observers.append(partial(report_pass_speed, self.price))
         self.sessions: dict[int, TargetSession] = {}    # by stream, while the stream lives
+        self.streamed = Survival()      # acceptance by position of streamed sessions: a new one's prior
         self._export_gauges()
 
     def _export_gauges(self) -> None:
         keeper = self.keeper
 
         def used() -> int:
-            # Read on the metrics server's thread while the event loop changes the dicts: copy
-            # them in one step (list() of a dict view holds the GIL) before summing.
+            # Read on the metrics thread while the event loop changes the dicts: list() copies each at once.
             return sum(list(keeper.live.values())) + sum(s.cache.capacity for s in list(keeper.idle.values()))
 
         metrics.gauge_from(metrics.VERIFY_RUNNING, lambda: len(self.sessions))
@@ -196,7 +196,7 @@ class VerifyServicer(pb_grpc.VerifyServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "stream needs a greedy session: sampled proposals carry their distributions")
         most = min(opened.num_speculative_tokens or self.engine.max_proposal, self.engine.max_proposal)
-        run = StreamedRun(session, most, lambda: self.price.for_batch(len(self.sessions)), self.price.alone)
+        run = StreamedRun(session, most, lambda: self.price.for_batch(len(self.sessions)), self.price.alone, self.streamed)
         reader = asyncio.create_task(read_pieces(requests, run))
         try:
             while (tokens := await run.next()) is not None:

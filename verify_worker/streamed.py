@@ -28,12 +28,20 @@ from tandem.v1 import internal_pb2 as pb
 from verify_worker.engine import TargetSession
 
 
+PRIOR_WEIGHT = 4   # proposals' worth the worker's recent streamed sessions weigh in a new one's acceptance
+HALF_CLOSE_S = 2.0  # how long a finished streamed session waits for the draft side to close its side
+
+
 class StreamedRun:
     def __init__(self, session: TargetSession, max_proposal: int, price: Callable[[], float] = lambda: 0.0,
-                 pass_seconds: Callable[[int], float] | None = None) -> None:
-        """pass_seconds(n): a pass of n new tokens alone, as calibrated (None: not known, never wait)."""
+                 pass_seconds: Callable[[int], float] | None = None, prior: Survival | None = None) -> None:
+        """pass_seconds(n): a pass of n new tokens alone, as calibrated (None: not known, never wait).
+        prior: the acceptance by position of the worker's streamed sessions, which this one starts
+        from (weighing PRIOR_WEIGHT passes, so that its own soon outweigh it) and adds its passes to."""
         self.max_proposal, self.price, self.pass_seconds = max_proposal, price, pass_seconds
-        self.survival = Survival()      # this session's acceptance by position
+        self.prior = prior
+        # this session's acceptance by position
+        self.survival = prior.copy(PRIOR_WEIGHT) if prior is not None else Survival()
         # The session's tokens as of the last verdict, kept here: a pass commits to the session's
         # own list on the inference thread before its verdict is taken in here.
         self.tokens = list(session.tokens)
@@ -117,6 +125,8 @@ class StreamedRun:
                 proposed += 1
                 accepted += self.run[checked] == committed[-1]
             self.survival.add(proposed, accepted)
+            if self.prior is not None:
+                self.prior.add(proposed, accepted)
         self.tokens += committed
         self.run = after_verdict(self.run, committed)
 
