@@ -42,7 +42,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.link_timeout = link_timeout
         # verify worker -> when its link was found down (no connection within the link timeout, or a
         # stream lost): listed in this worker's registry entry, so that no gateway pairs the two,
-        # until a probe (probe_links) connects again
+        # until a probe (probe_links) gets an answer through it
         self.links_down: dict[str, float] = {}
         # by (method, verify worker), then kind of proposal: acceptance by position over recent
         # sessions, a new session's prior
@@ -67,7 +67,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def _link_down(self, address: str) -> None:
         if address not in self.links_down:
             log.warning("the link to verify worker %s is down: listed in this worker's registry entry until "
-                        "a connection comes up", address)
+                        "that worker answers through it", address)
             self.links_down[address] = time.monotonic()
 
     async def probe_links(self, every: float) -> None:
