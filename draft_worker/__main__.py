@@ -122,10 +122,10 @@ async def main(args: argparse.Namespace) -> None:
     def describe() -> WorkerInfo:
         # Registered under the target it drafts for: the gateway never pairs it with another model.
         return WorkerInfo(address=address, pool=DRAFT, model=args.target_model, methods=sorted(drafters),
-                          load=len(servicer.sessions), started_at=started, links_down=sorted(servicer.links_down))
+                          load=len(servicer.sessions), started_at=started, links_down=sorted(servicer.links.down_since))
 
     heartbeat = heartbeat_for(args, describe)
-    probing = asyncio.create_task(servicer.probe_links(args.heartbeat_seconds))
+    probing = asyncio.create_task(servicer.links.probe(args.heartbeat_seconds))
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
                         on_ready=lambda: log.info("draft worker serving %s on %s:%d", sorted(drafters),
                                                   args.host, port))

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 
 from draft_worker.drafters import Drafter
+from draft_worker.links import Links
 from draft_worker.speculation import JUMP_FORWARD, Drafting, Speculation, VerifyClosed
 from draft_worker.streamed import BranchRows
 from tandem.engine.batcher import Batcher
 from tandem.engine.thread import InferenceThread
 from tandem.service import logs, metrics, wire
-from tandem.service.server import channel as traced_channel
 from tandem.speculation.grammar import Grammars
 from tandem.speculation.sampling import SamplingError
 from tandem.speculation.survival import Survival
@@ -23,7 +22,6 @@ from tandem.v1 import internal_pb2 as pb
 from tandem.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-LINK_FORGET_S = 600.0   # a link down this long leaves the registry entry (probe_links)
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
@@ -37,13 +35,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.drafters = drafters
         self.drafting = Drafting(inference, batcher, pipeline, adaptive_k, eos_ids, vocab_size, grammars,
                                  compile_timeout, jump_forward, BranchRows() if prepare else None, tree_branches)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self.routes = routes or {}
-        self.link_timeout = link_timeout
-        # verify worker -> when its link was found down (no connection within the link timeout, or a
-        # stream lost): listed in this worker's registry entry, so that no gateway pairs the two,
-        # until a probe (probe_links) gets an answer through it
-        self.links_down: dict[str, float] = {}
+        self.links = Links(routes, link_timeout)
         # by (method, verify worker), then kind of proposal: acceptance by position over recent
         # sessions, a new session's prior
         self._acceptance: dict[tuple[str, str], dict[object, Survival]] = {}
@@ -51,50 +43,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         metrics.gauge_from(metrics.DRAFT_RUNNING, lambda: len(self.sessions))
         metrics.declare_methods([*drafters, JUMP_FORWARD])
 
-    async def _verify_stub(self, address: str) -> pb_grpc.VerifyServiceStub | None:
-        """A stub for the verify worker registered at `address`; None when no connection to it is
-        up within the link timeout (a partition, a stalled link)."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = traced_channel(self.routes.get(address, address))
-        try:
-            await asyncio.wait_for(channel.channel_ready(), self.link_timeout)
-        except asyncio.TimeoutError:
-            self._link_down(address)
-            return None
-        return pb_grpc.VerifyServiceStub(channel)
-
-    def _link_down(self, address: str) -> None:
-        if address not in self.links_down:
-            log.warning("the link to verify worker %s is down: listed in this worker's registry entry until "
-                        "that worker answers through it", address)
-            self.links_down[address] = time.monotonic()
-
-    async def probe_links(self, every: float) -> None:
-        """Every `every` seconds, asks each verify worker whose link is down for its status, through
-        the link: an answer within the link timeout takes the link off the list (a connection alone
-        does not: a stalled link keeps its connection up until keepalive drops it). One down for
-        LINK_FORGET_S is forgotten: its worker is likely gone, and a gateway that still routes there
-        learns of a partition per request again."""
-        while True:
-            await asyncio.sleep(every)
-            for address, since in list(self.links_down.items()):
-                if time.monotonic() - since > LINK_FORGET_S:
-                    del self.links_down[address]
-                    continue
-                stub = await self._verify_stub(address)
-                try:
-                    if stub is not None:
-                        await stub.Status(pb.StatusRequest(), timeout=self.link_timeout)
-                        del self.links_down[address]
-                        metrics.LINK_EVENTS.labels("restored").inc()
-                        log.info("the link to verify worker %s is up again", address)
-                except grpc.aio.AioRpcError:
-                    pass
-
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.links.close()
 
     async def Generate(self, request: pb.DraftGenerateRequest, context: grpc.aio.ServicerContext):
         drafter = self.drafters.get(request.method)
@@ -109,12 +59,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             params = wire.check_params(wire.params_from_proto(request.sampling))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stub = await self._verify_stub(request.verify_address)
+        stub = await self.links.stub(request.verify_address)
         if stub is None:
             metrics.LINK_EVENTS.labels("unreachable").inc()
-            log.warning("no connection to verify worker %s within %.1fs", request.verify_address, self.link_timeout)
+            log.warning("no connection to verify worker %s within %.1fs", request.verify_address, self.links.timeout)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"verify worker: no connection within {self.link_timeout:g}s",
+                                f"verify worker: no connection within {self.links.timeout:g}s",
                                 trailing_metadata=wire.FAILED_VERIFY)
         call = stub.Verify(timeout=context.time_remaining(), metadata=logs.outgoing_metadata())
         spec = self.sessions[id(context)] = Speculation(self.drafting, drafter, request, params, call)
@@ -135,7 +85,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             # itself still answers it, decodes on there without speculation), not off this one.
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 metrics.LINK_EVENTS.labels("lost").inc()
-                self._link_down(request.verify_address)
+                self.links.down(request.verify_address)
             await self._relay(context, request.verify_address, e.code(), e.details())
         except VerifyClosed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=wire.FAILED_VERIFY)
