@@ -153,7 +153,7 @@ def overhead(rounds_tokens: int = 96) -> dict:
 SECTIONS = ("overhead", "models", "params", "guided", "head", "router")
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "params_repeats": 2,
         "guided_prompts": 3, "guided_max_new_tokens": 128, "guided_repeats": 1,
-        "head_heldout": 8, "head_max_new_tokens": 128, "head_streams": 16}
+        "head_heldout": 17, "head_max_new_tokens": 128, "head_streams": 16}
 QUICK = {"prompts": 2, "max_new_tokens": 48, "params_repeats": 2,
          "guided_prompts": 1, "guided_max_new_tokens": 24, "guided_repeats": 1,
          "head_heldout": 2, "head_max_new_tokens": 32, "head_streams": 4}

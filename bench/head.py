@@ -5,9 +5,11 @@
 SmolLM2-135M-Instruct as target with the head shipped for it, through the running service: draft
 methods `none`, `ngram` and `head`, interleaved prompt by prompt, greedy, on two prompt sets: the
 bench's own code prompts (bench/e2e.py PROMPTS) and held-out prompts of tandem/head/prompts.jsonl
-(split "heldout": subjects the head never saw in training). Tokens/s, speed-up over `none`,
-acceptance and mean accepted length come from the responses' Usage; outputs are compared with
-`none`'s. The verify worker serves all three (n-gram drafting comes from a model-free draft worker).
+(split "heldout": subjects the head never saw in training), every family in turn
+(tandem.head.prompts.stratified: prompts the trainer evaluates on, none it fits its calibration
+on). Tokens/s, speed-up over `none`, acceptance and mean accepted length come from the responses'
+Usage; outputs are compared with `none`'s. The verify worker serves all three (n-gram drafting
+comes from a model-free draft worker).
 
 Then the same methods under load: `streams` requests at once (the held-out and bench prompts in
 turn), each method's batch in turn, the order reversed every other pass: tokens/s is all the
@@ -40,10 +42,8 @@ METHODS = ("none", "ngram", "head")
 
 def prompt_sets(bench_prompts: list[str], heldout: int) -> dict[str, list[str]]:
     from tandem.head import prompts
-    held = prompts.load("heldout")
-    code = [r for r in held if r["kind"] == "code"][:(heldout + 1) // 2]
-    chat = [r for r in held if r["kind"] == "chat"][:heldout // 2]
-    return {"bench": list(bench_prompts), "heldout": [r["messages"][0]["content"] for r in code + chat]}
+    held = prompts.stratified(prompts.load("heldout"), heldout)
+    return {"bench": list(bench_prompts), "heldout": [r["messages"][0]["content"] for r in held]}
 
 
 def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, threads: int,

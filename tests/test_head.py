@@ -7,7 +7,7 @@ drafted positions a round verifies.
   holds the target's own continuation: most accepted); after every round the head's context holds
   exactly what one teacher-forced pass of the target gives for the committed tokens.
 - Sampled requests complete within their limits and a seed gives the same output again.
-- The training forward (tandem.train_head.block_outputs) and the drafter agree on every block
+- The training forward (tandem.head.train.block_outputs) and the drafter agree on every block
   position: the token, the distribution, the confidence; features at or after the anchor change
   nothing in training (the block mask).
 - The head file round-trips (bfloat16 storage), a DeepSpec folder loads to the same head, and
@@ -225,7 +225,7 @@ def test_sampled_runs_stop_at_the_end_token(target, head_file):
 # ---------------------------------------------------------------------------------------------
 
 def test_training_forward_agrees_with_the_drafter(target, head_file, prompts):
-    from tandem.train_head import Sequence, block_outputs, target_features
+    from tandem.head.train import Sequence, block_outputs, target_features
     model = target[1]
     head, _ = checkpoint.load(head_file)
     drafter = bare_drafter(target, head)
@@ -320,7 +320,7 @@ def same_parameters(a: BlockHead, b: BlockHead) -> None:
 def test_save_load_round_trip(target, tmp_path):
     head = random_head(tiny_config(target))
     path = tmp_path / "h.safetensors"
-    trained = {"command": "python -m tandem.train_head --steps 3", "steps": 3}
+    trained = {"command": "python -m tandem.head.train --steps 3", "steps": 3}
     digest = checkpoint.save(head, path, target="tiny-target", trained=trained)
     assert digest == checkpoint.sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
     with safe_open(str(path), "pt") as f:
@@ -650,7 +650,7 @@ def test_a_draft_vocabulary_restricts_drafting_and_keeps_the_loss_exact(target, 
     whole vocabulary (q is zero outside)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.train_head import Vocab, block_outputs, dspark_loss, parse_args, target_features
+    from tandem.head.train import Vocab, block_outputs, dspark_loss, parse_args, target_features
     hf = AutoModelForCausalLM.from_pretrained(target[0]).eval()          # unpacked: its weight is at hand
     head = random_head(tiny_config(target))
     vocab = torch.tensor(sorted(random.Random(0).sample(range(320), 40)))
@@ -790,3 +790,97 @@ def test_a_greedy_head_session_copies_a_prompt_prefix_with_its_context(target, h
     assert sampled.cache.length == 0
     for session in (donor, plain, s, sampled):
         session.cache.release()
+
+
+def test_a_greedy_calibration_reads_the_confidence_for_greedy_requests_only(target, tmp_path):
+    """A head file's greedy_calibration round-trips; a greedy request's confidence at position j is
+    sigmoid(scale_j * logit + offset_j) of the trained one, a sampled request's is as trained, and
+    the tokens drafted do not change. A calibration of the wrong shape is refused."""
+    head = random_head(tiny_config(target))
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(head, path)
+    plain, _ = checkpoint.load(path)
+    head.greedy_calibration = torch.tensor([[0.5, -1.0], [2.0, 0.3], [1.0, 0.0], [-1.0, 2.0]])
+    checkpoint.save(head, path)
+    loaded, _ = checkpoint.load(path)
+    assert torch.equal(loaded.greedy_calibration, head.greedy_calibration)
+    for before, after in zip(drafts(target, plain), drafts(target, loaded)):
+        assert before[0] == after[0] and before[2] == after[2]
+        assert after[3] == pytest.approx(before[3], abs=1e-6)
+        scale, offset = head.greedy_calibration[:len(before[1])].unbind(-1)
+        trained = torch.tensor(before[1], dtype=torch.float64)
+        want = torch.sigmoid(torch.logit(trained) * scale + offset)
+        assert after[1] == pytest.approx(want.tolist(), abs=1e-5)
+        assert after[1] != pytest.approx(before[1], abs=1e-3)
+    bad = rewrite(path, tmp_path / "b.safetensors")
+    with safe_open(str(bad), "pt") as f:
+        tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+    tensors["greedy_calibration"] = torch.ones(BLOCK - 1, 2)
+    save_file(tensors, str(bad), metadata=meta)
+    with pytest.raises(HeadFileError, match=rf"greedy_calibration must be \[{BLOCK}, 2\] finite numbers"):
+        checkpoint.load(bad)
+
+
+def test_the_greedy_calibration_fit_reads_only_blocks_that_reached_a_position(target, monkeypatch):
+    """fit_greedy_calibration against blocks whose greedy match at j follows
+    sigmoid(2 * logit - 1) wherever every earlier position matched, and is always 1 after a miss
+    (what a block that never reached j must not teach): the fit recovers (2, -1) per position."""
+    from tandem.head import train
+    g = torch.Generator().manual_seed(0)
+    conf = torch.randn(20000, BLOCK, generator=g) * 2
+    drawn = torch.rand(20000, BLOCK, generator=g) < torch.sigmoid(2 * conf - 1)
+    match = drawn.clone()
+    for j in range(1, BLOCK):
+        match[:, j] = torch.where(match[:, :j].all(1), drawn[:, j], torch.ones_like(drawn[:, j]))
+    prefix = match.int().cumprod(-1).bool()
+    valid = torch.ones_like(match)
+    monkeypatch.setattr(train, "_held_out_blocks", lambda *a: iter([(match, prefix, valid, conf)]))
+    fit = train.fit_greedy_calibration(random_head(tiny_config(target)), None, None, [], "cpu")
+    assert fit.shape == (BLOCK, 2)
+    torch.testing.assert_close(fit, torch.tensor([[2.0, -1.0]] * BLOCK), atol=0.15, rtol=0)
+
+
+def test_training_data_is_stratified_and_sampled_answers_repeat():
+    """Held-out sets take every family in turn and the calibration set never repeats the
+    evaluation's; a sampled answer's draws are seeded by its record's id."""
+    from tandem.head import prompts as prompt_set
+    from tandem.head.prompts import stratified
+    from tandem.head.train import _picker, sampled_records
+    heldout = prompt_set.load("heldout")
+    families = {r["id"].rsplit("-", 1)[0] for r in heldout}
+    evaluated = stratified(heldout, len(families))
+    assert {r["id"].rsplit("-", 1)[0] for r in evaluated} == families
+    calibrated = stratified(heldout, 40, skip=len(families))
+    assert len(calibrated) == 40 and not {r["id"] for r in calibrated} & {r["id"] for r in evaluated}
+    assert stratified(heldout, 10**6) == stratified(heldout, 10**6) and len(stratified(heldout, 10**6)) == len(heldout)
+    assert sampled_records(heldout[:3], 0.0) == []
+    copies = sampled_records(heldout[:3], 0.7)
+    assert [r["id"] for r in copies] == [r["id"] + "@t0.7" for r in heldout[:3]]
+    row = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    assert _picker(heldout[0])(row) == int(row.argmax())
+    first, again, other = _picker(copies[0]), _picker(copies[0]), _picker(copies[1])
+    draws = [first(row) for _ in range(30)]
+    assert draws == [again(row) for _ in range(30)] != [other(row) for _ in range(30)]
+
+
+def test_the_trainer_starts_from_a_head_file_and_adds_sampled_answers(target, head_file, tmp_path):
+    """`python -m tandem.head.train --init ... --sampled-temperature ...` on the tiny target: the
+    data holds a greedy and a sampled answer per prompt, training starts from the given head (its
+    shape and draft vocabulary), and the head written records where it started (by sha256, with no
+    folder of this machine in its command) and carries a greedy calibration per position."""
+    from tandem.head import train
+    out = tmp_path / "run"
+    train.main(["--target", str(target[0]), "--out", str(out), "--init", str(head_file), "--max-prompts", "3",
+                "--max-new-tokens", "6", "--gen-batch", "4", "--steps", "2", "--batch", "2", "--anchors", "4",
+                "--eval-every", "1", "--eval-sequences", "2", "--calibration-sequences", "3",
+                "--sampled-temperature", "0.7"])
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    sampled = [r for r in rows if r["id"].endswith("@t0.7")]
+    assert len(sampled) == 3 and len(rows) == 3 + 3 + 2 + 3
+    head, meta = checkpoint.load(out / "head.safetensors")
+    start, _ = checkpoint.load(head_file)
+    assert head.config == start.config
+    assert torch.equal(head.draft_vocab, start.draft_vocab) if start.draft_vocab is not None else head.draft_vocab is None
+    assert meta["trained"]["init_sha256"] == checkpoint.sha256(head_file)
+    assert meta["trained"]["sampled_sequences"] <= 3 and str(tmp_path) not in meta["trained"]["command"]
+    assert head.greedy_calibration is not None and head.greedy_calibration.shape == (BLOCK, 2)

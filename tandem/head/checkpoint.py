@@ -9,7 +9,9 @@ Tandem's own format is one safetensors file:
             norm.weight, markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [V, r],
             confidence_head.proj.weight, confidence_head.proj.bias), stored as bfloat16 and run as
             float32; optionally draft_vocab [n] int64, the token ids the head drafts from (all
-            without it). The target's embedding table and output layer are never stored.
+            without it), and greedy_calibration [block_size, 2] float32, the per-position scale and
+            offset of the confidence logit for greedy requests (BlockHead.acceptance). The
+            target's embedding table and output layer are never stored.
 
 A DeepSpec checkpoint is a folder with config.json and model.safetensors (or
 pytorch_model.safetensors) under the same parameter names, possibly prefixed "model.", and
@@ -41,6 +43,8 @@ def save(head: BlockHead, path: Path | str, target: str = "", trained: dict | No
     tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in head.state_dict().items()}
     if head.draft_vocab is not None:
         tensors["draft_vocab"] = head.draft_vocab.to(torch.int64).contiguous()
+    if head.greedy_calibration is not None:
+        tensors["greedy_calibration"] = head.greedy_calibration.float().contiguous()
     metadata = {"format": FORMAT, "config": json.dumps(head.config.to_dict()), "target": target,
                 "trained": json.dumps(trained or {})}
     path = Path(path)
@@ -72,7 +76,12 @@ def load(path: Path | str) -> tuple[BlockHead, dict]:
         raise HeadFileError(f"{path.name} is not a Tandem head file (format {meta.get('format')!r})")
     config = _config(meta.get("config", ""), path.name)
     vocab = tensors.pop("draft_vocab", None)
+    calibration = tensors.pop("greedy_calibration", None)
     head = _build(config, tensors, path.name)
+    if calibration is not None:
+        if tuple(calibration.shape) != (config.block_size, 2) or not bool(torch.isfinite(calibration).all()):
+            raise HeadFileError(f"{path.name}: greedy_calibration must be [{config.block_size}, 2] finite numbers")
+        head.greedy_calibration = calibration.float()
     if vocab is not None:
         if vocab.dim() != 1 or vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size:
             raise HeadFileError(f"{path.name}: draft_vocab must be token ids inside the vocabulary")

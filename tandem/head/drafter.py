@@ -132,7 +132,8 @@ class HeadDrafter:
             if drawn is None:
                 break
             conf = head.confidence_logits(hidden[j:j + 1], prev_t)
-            confidence.append(1.0 if conf is None else float(torch.sigmoid(conf)[0]))
+            confidence.append(1.0 if conf is None else
+                              float(head.acceptance(conf, torch.tensor([j]), rows.params.greedy)[0]))
             if drawn.token in rows.eos_ids:
                 break
             prev = drawn.token

@@ -13,7 +13,10 @@ shared and frozen: the head owns only its layers, its norms and two small heads:
   `markov_w2`: r -> vocabulary) adds a bias to position j's logits from the token drafted at j - 1,
   so the block is sampled left to right at the cost of a rank-r product per position;
 - a confidence head (one linear layer over the position's hidden state and the previous token's
-  Markov embedding) predicts the probability that the target accepts the position.
+  Markov embedding) predicts the probability that the target accepts the position. It is trained
+  on the sampling acceptance (1 - total variation); a greedy request is accepted only where the
+  target's top choice is the drafted token, so a head may carry a second reading of the same logit
+  for greedy requests, fitted per position (`greedy_calibration`: a scale and an offset each).
 
 A head may draft from a subset of the vocabulary only (`draft_vocab`, as EAGLE-3's reduced draft
 vocabulary): its logits are products with those rows of the output layer alone, which makes
@@ -224,6 +227,7 @@ class BlockHead(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.markov_head = Markov(c) if c.markov_rank > 0 else None
         self.draft_vocab: torch.Tensor | None = None      # token ids it drafts from; None: all
+        self.greedy_calibration: torch.Tensor | None = None   # [block_size, 2] scale, offset; None: as trained
         self.confidence_head = None
         if c.enable_confidence_head:
             width = c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0)
@@ -251,6 +255,15 @@ class BlockHead(nn.Module):
         if self.config.confidence_head_with_markov:
             features = torch.cat([hidden, self.markov_head.markov_w1(prev).to(hidden.dtype)], -1)
         return self.confidence_head.proj(features).squeeze(-1)
+
+    def acceptance(self, logits: torch.Tensor, positions: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The probabilities that the target accepts block positions `positions` (each given the
+        ones before it), from their confidence logits: read through the greedy calibration for a
+        greedy request when the head has one."""
+        if greedy and self.greedy_calibration is not None:
+            scale, offset = self.greedy_calibration[positions].unbind(-1)
+            logits = logits * scale + offset
+        return torch.sigmoid(logits)
 
 
 def block_mask(anchors: torch.Tensor, context_len: int, block: int) -> torch.Tensor:

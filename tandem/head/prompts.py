@@ -939,6 +939,18 @@ def load(split: str | None = None, kind: str | None = None) -> list[dict]:
     return [r for r in records if split in (None, r["split"]) and kind in (None, r["kind"])]
 
 
+def stratified(records: list[dict], n: int, skip: int = 0) -> list[dict]:
+    """n records taken in turn from each family (a record's id less its digest), after the first
+    `skip` so taken: held-out sets that cover every family alike (the trainer evaluates on the first
+    ones and fits its calibration on the next, the benchmark serves the first ones)."""
+    families: dict[str, list[dict]] = {}
+    for r in records:
+        families.setdefault(r["id"].rsplit("-", 1)[0], []).append(r)
+    order = [r for i in range(max(map(len, families.values()), default=0))
+             for group in families.values() if i < len(group) for r in group[i:i + 1]]
+    return order[skip:skip + n]
+
+
 def is_current(path: Path = PATH) -> bool:
     """Whether `path` holds exactly what `build()` gives."""
     return path.exists() and path.read_text(encoding="utf-8") == dumps(build())

@@ -1,4 +1,4 @@
-"""python -m tandem.train_head: train a block-drafter head (tandem.head) for a target model.
+"""python -m tandem.head.train: train a block-drafter head (tandem.head) for a target model.
 
 Self-distillation, in three resumable stages under --out:
   1. responses  the target answers every prompt of tandem/head/prompts.jsonl greedily
@@ -23,6 +23,7 @@ parts share its data structures; the model itself is in tandem.head.model.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -40,11 +41,13 @@ from tandem.head.model import BlockHead, HeadConfig, block_mask, state_indices
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tandem.train_head", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.head.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct", help="preset, Hugging Face folder or .gguf")
     p.add_argument("--out", type=Path, required=True, help="run folder (data, log, state, head)")
     p.add_argument("--resume", action="store_true", help="continue from --out/state.pt")
+    p.add_argument("--init", type=Path, help="start from this head file (its shape and draft vocabulary; a fresh "
+                                             "optimizer) instead of a random head")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -52,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N training prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="longest response generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--sampled-temperature", type=float, default=0.0,
+                   help="also train on one answer per prompt sampled at this temperature (0: greedy answers only)")
     # head shape
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=8)
@@ -74,7 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conf-alpha", type=float, default=1.0)
     p.add_argument("--minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-sequences", type=int, default=48)
+    p.add_argument("--eval-sequences", type=int, default=48, help="held-out sequences evaluated, every family alike")
+    p.add_argument("--calibration-sequences", type=int, default=48,
+                   help="other held-out sequences that fit the greedy confidence per position (0: none)")
     return p.parse_args(argv)
 
 
@@ -93,10 +100,11 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
 # ---- stage 1: responses -------------------------------------------------------------------------
 
 def generate_responses(lm, tokenizer, records: list[dict], path: Path, max_new: int, batch: int) -> list[dict]:
-    """Each record with 'ids' (prompt + response token ids) and 'prompt_len': the target's greedy
-    answer, decoded by the serving engine (tandem.engine.modeling.CausalLM, batched), so the data
-    is what the service's target says. Appended to `path` as made; records already there are
-    read back instead."""
+    """Each record with 'ids' (prompt + response token ids) and 'prompt_len': the target's answer,
+    decoded by the serving engine (tandem.engine.modeling.CausalLM, batched), so the data is what
+    the service's target says: greedy, or drawn at the record's 'temperature' with a generator
+    seeded by its id (a rerun draws the same). Appended to `path` as made; records already there
+    are read back instead."""
     done = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -111,12 +119,13 @@ def generate_responses(lm, tokenizer, records: list[dict], path: Path, max_new: 
             prompts = [tokenizer(tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True),
                                  add_special_tokens=False)["input_ids"] for r in chunk]
             caches = [lm.new_cache(len(p) + max_new + 1) for p in prompts]
-            outs = [[int(lm.forward(p, c, last=1)[0].argmax())] for p, c in zip(prompts, caches)]
+            pickers = [_picker(r) for r in chunk]
+            outs = [[pick(lm.forward(p, c, last=1)[0])] for p, c, pick in zip(prompts, caches, pickers)]
             active = [j for j, o in enumerate(outs) if o[-1] not in eos]
             while active:
                 logits = lm.forward_batch([(caches[j], outs[j][-1:], 1) for j in active])
                 for j, rows in zip(active, logits):
-                    outs[j].append(int(rows[0].argmax()))
+                    outs[j].append(pickers[j](rows[0]))
                 active = [j for j in active if outs[j][-1] not in eos and len(outs[j]) < max_new]
             for r, p, o, c in zip(chunk, prompts, outs, caches):
                 c.release()
@@ -126,6 +135,23 @@ def generate_responses(lm, tokenizer, records: list[dict], path: Path, max_new: 
             f.flush()
             bar.update(len(chunk))
     return [done[r["id"]] for r in records]
+
+
+def _picker(record: dict):
+    """The record's rule for the next token from a row of logits: argmax, or a draw at its
+    temperature from a generator seeded by its id."""
+    temperature = record.get("temperature", 0.0)
+    if not temperature:
+        return lambda row: int(row.argmax())
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(record["id"].encode()).hexdigest()[:15], 16))
+    return lambda row: int(torch.multinomial(torch.softmax(row.float() / temperature, -1), 1, generator=generator))
+
+
+def sampled_records(records: list[dict], temperature: float) -> list[dict]:
+    """A copy of each record to be answered by a draw at `temperature` (none at 0)."""
+    if not temperature:
+        return []
+    return [{**r, "id": f"{r['id']}@t{temperature:g}", "temperature": temperature} for r in records]
 
 
 # ---- stage 2: features --------------------------------------------------------------------------
@@ -239,13 +265,27 @@ def dspark_loss(logits, target, labels, valid, conf, args) -> tuple[torch.Tensor
     return loss, parts
 
 
+def _held_out_blocks(head, embed, lm_head, sequences: list[Sequence], device: str):
+    """Every anchor's block of the sequences, teacher-forced, by chunks: (match [A, W], the target's
+    greedy choice at each position; prefix [A, W], every position up to it matched; valid [A, W];
+    confidence logits [A, W] or None), on the CPU."""
+    for seq in sequences:
+        cands = torch.nonzero(seq.response[1:]).flatten()
+        for chunk in cands.split(128):
+            logits, _, labels, valid, conf = block_outputs(head, embed, lm_head, seq, chunk.to(device), device)
+            match = (logits.argmax(-1) == labels) & valid
+            yield (match.cpu(), match.int().cumprod(-1).bool().cpu(), valid.cpu(),
+                   None if conf is None else conf.float().cpu())
+
+
 @torch.no_grad()
 def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins: int = 10) -> dict:
     """Greedy acceptance on held-out sequences, every anchor: a block position is accepted when it
     and every position before it equal the sequence's token, the target's own greedy choice (the
     responses are its greedy output through the serving engine). Returns mean accepted length
     (tokens per round, the bonus token included), acceptance by position, and calibration of the
-    predicted chance of reaching each position (cumulative product of confidences)."""
+    predicted chance of reaching each position (cumulative product of the acceptance the head
+    gives a greedy request, BlockHead.acceptance) against the share that reached it."""
     head.eval()
     W = head.config.block_size
     reach_counts = torch.zeros(W)
@@ -254,25 +294,20 @@ def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins:
     cal_obs = torch.zeros(W, bins)
     cal_n = torch.zeros(W, bins)
     accepted_sum, blocks = 0.0, 0
-    for seq in sequences:
-        cands = torch.nonzero(seq.response[1:]).flatten()
-        for chunk in cands.split(128):
-            logits, _, labels, valid, conf = block_outputs(head, embed, lm_head, seq, chunk.to(device), device)
-            match = (logits.argmax(-1) == labels) & valid
-            prefix = match.int().cumprod(-1).float().cpu()                  # [A, W]
-            valid = valid.cpu()
-            accepted_sum += float(prefix.sum())
-            blocks += len(chunk)
-            reach_counts += prefix.sum(0)
-            pos_total += valid.float().sum(0)
-            if conf is not None:
-                pred = torch.sigmoid(conf.float()).cumprod(-1).cpu()
-                b = (pred * bins).long().clamp(0, bins - 1)
-                for j in range(W):
-                    v = valid[:, j]
-                    cal_n[j].index_add_(0, b[v, j], torch.ones(int(v.sum())))
-                    cal_pred[j].index_add_(0, b[v, j], pred[v, j])
-                    cal_obs[j].index_add_(0, b[v, j], prefix[v, j])
+    for _, prefix, valid, conf in _held_out_blocks(head, embed, lm_head, sequences, device):
+        prefix = prefix.float()
+        accepted_sum += float(prefix.sum())
+        blocks += len(prefix)
+        reach_counts += prefix.sum(0)
+        pos_total += valid.float().sum(0)
+        if conf is not None:
+            pred = head.acceptance(conf, torch.arange(W), greedy=True).cumprod(-1)
+            b = (pred * bins).long().clamp(0, bins - 1)
+            for j in range(W):
+                v = valid[:, j]
+                cal_n[j].index_add_(0, b[v, j], torch.ones(int(v.sum())))
+                cal_pred[j].index_add_(0, b[v, j], pred[v, j])
+                cal_obs[j].index_add_(0, b[v, j], prefix[v, j])
     head.train()
     calibration = []
     for j in range(W):
@@ -287,14 +322,53 @@ def evaluate(head, embed, lm_head, sequences: list[Sequence], device: str, bins:
             "calibration": calibration, "blocks": blocks}
 
 
+@torch.no_grad()
+def fit_greedy_calibration(head, embed, lm_head, sequences: list[Sequence], device: str,
+                           least: int = 200) -> torch.Tensor | None:
+    """Per block position j, the scale and offset of the confidence logit that best predict
+    (logistic regression) whether a greedy request accepts j, over the held-out blocks that reached
+    j: the greedy reading of the head's confidence (BlockHead.acceptance). A position with fewer
+    than `least` such blocks takes the previous position's fit. None without a confidence head."""
+    W = head.config.block_size
+    logits: list[list[torch.Tensor]] = [[] for _ in range(W)]
+    labels: list[list[torch.Tensor]] = [[] for _ in range(W)]
+    for match, prefix, valid, conf in _held_out_blocks(head, embed, lm_head, sequences, device):
+        if conf is None:
+            return None
+        reached = torch.cat([valid[:, :1], prefix[:, :-1] & valid[:, 1:]], 1)
+        for j in range(W):
+            logits[j].append(conf[reached[:, j], j])
+            labels[j].append(match[reached[:, j], j].float())
+    fit = torch.tensor([[1.0, 0.0]] * W)
+    for j in range(W):
+        x, y = torch.cat(logits[j]), torch.cat(labels[j])
+        if len(x) < least:
+            fit[j] = fit[j - 1] if j else fit[j]
+            continue
+        params = torch.tensor([1.0, 0.0], requires_grad=True)
+        optimizer = torch.optim.LBFGS([params], max_iter=100)
+
+        def loss():
+            optimizer.zero_grad()
+            out = F.binary_cross_entropy_with_logits(x * params[0] + params[1], y)
+            out.backward()
+            return out
+        with torch.enable_grad():
+            optimizer.step(loss)
+        fit[j] = params.detach()
+    return fit
+
+
 def portable(argv: list[str]) -> list[str]:
-    """The command line as recorded in the head file: the run folder by its name only."""
+    """The command line as recorded in the head file: the run folder and the starting head by
+    their names only (the starting head's sha256 is recorded beside it)."""
     out = list(argv)
     for i, arg in enumerate(out):
-        if arg == "--out" and i + 1 < len(out):
-            out[i + 1] = Path(out[i + 1]).name
-        elif arg.startswith("--out="):
-            out[i] = "--out=" + Path(arg[6:]).name
+        for flag in ("--out", "--init"):
+            if arg == flag and i + 1 < len(out):
+                out[i + 1] = Path(out[i + 1]).name
+            elif arg.startswith(flag + "="):
+                out[i] = f"{flag}={Path(arg[len(flag) + 1:]).name}"
     return out
 
 
@@ -326,8 +400,11 @@ def main(argv=None) -> None:
 
     state_file = args.out / "state.pt"
     state = torch.load(state_file, weights_only=False) if args.resume and state_file.exists() else None
+    start = checkpoint.load(args.init)[0] if args.init and state is None else None
     if state is not None:
         config = HeadConfig.from_dict(state["config"])
+    elif start is not None:
+        config = start.config
     else:
         taps = [int(t) for t in args.taps.split(",")] if args.taps else None
         mask = args.mask_token_id if args.mask_token_id >= 0 else default_mask_token(tokenizer, model.config.vocab_size)
@@ -342,18 +419,27 @@ def main(argv=None) -> None:
         step = state["step"]
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
+    elif start is not None:
+        head.load_state_dict(start.state_dict())
+        head.draft_vocab = start.draft_vocab
 
     from tandem.head import prompts
     train_prompts = prompts.load("train")
     if args.max_prompts:
         train_prompts = train_prompts[:args.max_prompts]
-    heldout_prompts = prompts.load("heldout")[:args.eval_sequences]
-    rows = generate_responses(engine, tokenizer, train_prompts + heldout_prompts, args.out / "data.jsonl",
-                              args.max_new_tokens, args.gen_batch)
-    train_rows, held_rows = rows[:len(train_prompts)], rows[len(train_prompts):]
+    train_prompts += sampled_records(train_prompts, args.sampled_temperature)
+    heldout = prompts.load("heldout")
+    heldout_prompts = prompts.stratified(heldout, args.eval_sequences)
+    calibration_prompts = prompts.stratified(heldout, args.calibration_sequences, skip=args.eval_sequences)
+    rows = generate_responses(engine, tokenizer, train_prompts + heldout_prompts + calibration_prompts,
+                              args.out / "data.jsonl", args.max_new_tokens, args.gen_batch)
+    train_rows, held_rows = rows[:len(train_prompts)], rows[len(train_prompts):len(train_prompts) + len(heldout_prompts)]
+    calibration_rows = rows[len(train_prompts) + len(heldout_prompts):]
     train_rows = [r for r in train_rows if len(r["ids"]) - r["prompt_len"] >= 2]
     if state is not None and state.get("draft_vocab") is not None:
         head.draft_vocab = state["draft_vocab"]
+    elif start is not None:
+        pass
     elif args.draft_vocab == "responses":
         seen = {t for r in train_rows for t in r["ids"][r["prompt_len"]:]} | set(engine.eos_ids)
         head.draft_vocab = torch.tensor(sorted(seen))
@@ -414,9 +500,18 @@ def main(argv=None) -> None:
     bar.close()
     evaluated = evaluate(head, embed, rows_out, held, args.device)
     checkpoint_now(evaluated)
-    trained = {"command": "python -m tandem.train_head " + " ".join(portable(argv if argv is not None else sys.argv[1:])),
+    if calibration_rows:
+        fitted = [target_features(engine, r, config.target_layer_ids)
+                  for r in tqdm(calibration_rows, desc="calibration features", file=sys.stderr)]
+        head.greedy_calibration = fit_greedy_calibration(head, embed, rows_out, fitted, args.device)
+        evaluated = evaluate(head, embed, rows_out, held, args.device)
+        log_file.write(json.dumps({"step": step, "greedy_calibration": head.greedy_calibration.tolist(),
+                                   "eval": evaluated}) + "\n")
+    trained = {"command": "python -m tandem.head.train " + " ".join(portable(argv if argv is not None else sys.argv[1:])),
                "steps": step, "train_sequences": len(train_rows),
                "train_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train_rows),
+               "sampled_sequences": sum(1 for r in train_rows if "@t" in r["id"]),
+               **({"init_sha256": checkpoint.sha256(args.init)} if args.init else {}),
                "heldout_mean_accepted_length": evaluated["mean_accepted_length"]}
     digest = checkpoint.save(head.cpu(), args.out / "head.safetensors", target=args.target, trained=trained)
     print(json.dumps({"head": str(args.out / "head.safetensors"), "sha256": digest, **trained,
