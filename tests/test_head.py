@@ -864,8 +864,8 @@ def test_training_data_is_stratified_and_sampled_answers_repeat():
 
 
 def test_the_trainer_starts_from_a_head_file_and_adds_sampled_answers(target, head_file, tmp_path):
-    """`python -m tandem.head.train --init ... --sampled-temperature ...` on the tiny target: the
-    data holds a greedy and a sampled answer per prompt, training starts from the given head (its
+    """`python -m tandem.head.train --init ... --sampled-temperature ... --followups ...` on the
+    tiny target: the data holds a greedy and a sampled answer per prompt and second turns, training starts from the given head (its
     shape and draft vocabulary), and the head written records where it started (by sha256, with no
     folder of this machine in its command) and carries a greedy calibration per position."""
     from tandem.head import train
@@ -873,10 +873,16 @@ def test_the_trainer_starts_from_a_head_file_and_adds_sampled_answers(target, he
     train.main(["--target", str(target[0]), "--out", str(out), "--init", str(head_file), "--max-prompts", "3",
                 "--max-new-tokens", "6", "--gen-batch", "4", "--steps", "2", "--batch", "2", "--anchors", "4",
                 "--eval-every", "1", "--eval-sequences", "2", "--calibration-sequences", "3",
-                "--sampled-temperature", "0.7"])
+                "--sampled-temperature", "0.7", "--followups", "2"])
     rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
     sampled = [r for r in rows if r["id"].endswith("@t0.7")]
-    assert len(sampled) == 3 and len(rows) == 3 + 3 + 2 + 3
+    second = [r for r in rows if r["id"].endswith("+followup")]
+    assert len(sampled) == 3 and len(second) == 2 and len(rows) == 3 + 3 + 2 + 3 + 2
+    first = {r["id"]: r for r in rows}
+    for r in second:                     # the second turn's prompt begins as the first turn's
+        one = first[r["id"].removesuffix("+followup")]
+        half = one["prompt_len"] // 2
+        assert r["prompt_len"] > one["prompt_len"] and r["ids"][:half] == one["ids"][:half]
     head, meta = checkpoint.load(out / "head.safetensors")
     start, _ = checkpoint.load(head_file)
     assert head.config == start.config

@@ -1,7 +1,8 @@
 """python -m tandem.head.train: train a block-drafter head (tandem.head) for a target model.
 
 Self-distillation, in three resumable stages under --out:
-  1. responses  the target answers every prompt of tandem/head/prompts.jsonl greedily
+  1. responses  the target answers every prompt of tandem/head/prompts.jsonl greedily, and with
+                --sampled-temperature also by drawing, with --followups also a second turn
                 (data.jsonl; prompts already answered are skipped on a rerun);
   2. features   one teacher-forced pass of the target over each prompt + response gives the
                 tapped layers' hidden states and its final hidden state (kept in memory);
@@ -13,8 +14,10 @@ Self-distillation, in three resumable stages under --out:
                 exp(-j / gamma). AdamW, linear warm-up then cosine decay, gradients clipped.
 Every --eval-every steps and at the end: held-out acceptance (greedy accepted length, per-position
 acceptance, the confidence head's calibration) appended to log.jsonl, and state.pt written (head,
-optimizer, step: --resume continues from it). The result is head.safetensors (tandem.head.checkpoint)
-with its sha256 printed.
+optimizer, step: --resume continues from it; --init starts from a head file instead of random
+weights). After training, other held-out sequences fit the greedy calibration (a scale and offset of
+the confidence logit per block position, BlockHead.acceptance). The result is head.safetensors
+(tandem.head.checkpoint) with its sha256 printed.
 
 Longer than 300 lines because the stages, the loss and the held-out evaluation are one program whose
 parts share its data structures; the model itself is in tandem.head.model.
@@ -55,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N training prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="longest response generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--followups", type=int, default=0,
+                   help="second turns: a follow-up question after the greedy answer of the first N prompts")
     p.add_argument("--sampled-temperature", type=float, default=0.0,
                    help="also train on one answer per prompt sampled at this temperature (0: greedy answers only)")
     # head shape
@@ -145,6 +150,26 @@ def _picker(record: dict):
         return lambda row: int(row.argmax())
     generator = torch.Generator().manual_seed(int(hashlib.sha256(record["id"].encode()).hexdigest()[:15], 16))
     return lambda row: int(torch.multinomial(torch.softmax(row.float() / temperature, -1), 1, generator=generator))
+
+
+FOLLOWUPS = {"code": ["Add type hints and a docstring to it.", "Write a short test for it.",
+                      "Can you make it shorter?", "Explain how it works, step by step."],
+             "chat": ["Can you give an example?", "Summarize that in two sentences.",
+                      "Explain it to a beginner.", "What are the drawbacks?"]}
+
+
+def followup_records(records: list[dict], rows: list[dict], tokenizer, n: int) -> list[dict]:
+    """Second turns for the first n records: the prompt, the target's (greedy) answer from `rows`
+    and a follow-up question of the record's kind, picked by its id, so that the head also learns
+    answers that follow a conversation."""
+    out = []
+    for r, row in list(zip(records, rows))[:n]:
+        answer = tokenizer.decode(row["ids"][row["prompt_len"]:], skip_special_tokens=True)
+        asks = FOLLOWUPS[r["kind"]]
+        ask = asks[int(hashlib.sha256(r["id"].encode()).hexdigest(), 16) % len(asks)]
+        out.append({**r, "id": r["id"] + "+followup", "messages": [*r["messages"], {"role": "assistant", "content": answer},
+                                                                   {"role": "user", "content": ask}]})
+    return out
 
 
 def sampled_records(records: list[dict], temperature: float) -> list[dict]:
@@ -427,14 +452,17 @@ def main(argv=None) -> None:
     train_prompts = prompts.load("train")
     if args.max_prompts:
         train_prompts = train_prompts[:args.max_prompts]
-    train_prompts += sampled_records(train_prompts, args.sampled_temperature)
     heldout = prompts.load("heldout")
     heldout_prompts = prompts.stratified(heldout, args.eval_sequences)
     calibration_prompts = prompts.stratified(heldout, args.calibration_sequences, skip=args.eval_sequences)
-    rows = generate_responses(engine, tokenizer, train_prompts + heldout_prompts + calibration_prompts,
-                              args.out / "data.jsonl", args.max_new_tokens, args.gen_batch)
+    data = args.out / "data.jsonl"
+    rows = generate_responses(engine, tokenizer, train_prompts + heldout_prompts + calibration_prompts, data,
+                              args.max_new_tokens, args.gen_batch)
     train_rows, held_rows = rows[:len(train_prompts)], rows[len(train_prompts):len(train_prompts) + len(heldout_prompts)]
     calibration_rows = rows[len(train_prompts) + len(heldout_prompts):]
+    more = (sampled_records(train_prompts, args.sampled_temperature)
+            + followup_records(train_prompts, train_rows, tokenizer, args.followups))
+    train_rows += generate_responses(engine, tokenizer, more, data, args.max_new_tokens, args.gen_batch)
     train_rows = [r for r in train_rows if len(r["ids"]) - r["prompt_len"] >= 2]
     if state is not None and state.get("draft_vocab") is not None:
         head.draft_vocab = state["draft_vocab"]
@@ -463,6 +491,10 @@ def main(argv=None) -> None:
                     "optimizer": optimizer.state_dict(),
                     "step": step, "rng": torch.get_rng_state(), "py_rng": random.getstate()}, state_file)
 
+    if start is not None and step == 0:      # where the run starts from, on the same held-out set
+        evaluated = evaluate(head, embed, rows_out, held, args.device)
+        tqdm.write(f"start: held-out mean accepted length {evaluated['mean_accepted_length']:.3f}", file=sys.stderr)
+        log_file.write(json.dumps({"step": 0, "eval": evaluated}) + "\n")
     started = time.monotonic()
     order: list[int] = []
     head.train()
@@ -511,6 +543,7 @@ def main(argv=None) -> None:
                "steps": step, "train_sequences": len(train_rows),
                "train_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train_rows),
                "sampled_sequences": sum(1 for r in train_rows if "@t" in r["id"]),
+               "second_turns": sum(1 for r in train_rows if r["id"].endswith("+followup")),
                **({"init_sha256": checkpoint.sha256(args.init)} if args.init else {}),
                "heldout_mean_accepted_length": evaluated["mean_accepted_length"]}
     digest = checkpoint.save(head.cpu(), args.out / "head.safetensors", target=args.target, trained=trained)
