@@ -65,13 +65,14 @@ bench: setup
 
 # Train the block-drafter head for SmolLM2-135M-Instruct as shipped (tandem/head/trained/, docs/head.md),
 # in two runs: from random weights on the target's greedy answers, then from that head on its greedy
-# and sampled answers, ending with the greedy calibration. About two hours on 2 CPU cores; HEAD_OUT
+# and sampled answers and second turns, ending with the greedy calibration. About two hours on 2 CPU cores; HEAD_OUT
 # keeps each run's data, log and state (rerun to resume).
 HEAD_OUT ?= runs/head-smollm2
 HEAD_COMMON ?= --target smollm2-135m-instruct --batch 8 --anchors 48 --eval-every 100 --eval-sequences 24 \
 	--max-new-tokens 160
 HEAD_ARGS ?= --steps 1000
-HEAD_MORE_ARGS ?= --steps 1500 --lr 5e-4 --sampled-temperature 0.7 --calibration-sequences 48
+HEAD_MORE_ARGS ?= --steps 550 --lr 5e-4 --sampled-temperature 0.7 --followups 300 --calibration-sequences 48 \
+	--eval-every 50
 train-head: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m tandem.head.train --out $(HEAD_OUT) --resume $(HEAD_COMMON) $(HEAD_ARGS) \
 		--calibration-sequences 0
