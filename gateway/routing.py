@@ -87,7 +87,12 @@ class Router:
     def link_failed(self, draft: str, verify: str) -> None:
         self._links_down[(draft, verify)] = time.monotonic() + self.link_seconds
 
-    async def down_links(self, verify: str) -> dict[str, float]:
+    async def draft_pool(self) -> list[WorkerInfo] | None:
+        """The draft pool as a registry lists it, read once per route and handed to down_links and
+        pick_draft; None where the router keeps no registry."""
+        return None
+
+    async def down_links(self, verify: str, drafts: list[WorkerInfo] | None = None) -> dict[str, float]:
         """Draft workers whose link to `verify` failed lately, with when each may be tried again."""
         now = time.monotonic()
         for key in [k for k, until in self._links_down.items() if until <= now]:
@@ -115,8 +120,9 @@ class Router:
                 self._fell_back(method, verify, "no verify worker with a trained head is available")
                 return Route(verify, None, "none", need(self.room(verify)))
         verify = await self.pick_verify(affinity, set(exclude), need)
-        down = await self.down_links(verify) if method != "none" else {}
-        draft = await self.pick_draft(method, set(exclude) | set(down)) if method != "none" else None
+        drafts = await self.draft_pool() if method != "none" else None
+        down = await self.down_links(verify, drafts) if method != "none" else {}
+        draft = await self.pick_draft(method, set(exclude) | set(down), drafts) if method != "none" else None
         retry_at = None
         if method != "none" and draft is None:
             if down:
@@ -151,7 +157,8 @@ class Router:
         """method: HEAD for a verify worker with a trained head loaded; "" for any."""
         raise NotImplementedError
 
-    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+    async def pick_draft(self, method: str, exclude: set[str], drafts: list[WorkerInfo] | None = None) -> str | None:
+        """drafts: the draft pool as draft_pool() read it (None: the router reads it itself)."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -188,7 +195,7 @@ class StaticRouter(Router):
                                else "every configured verify worker has failed")
         return address
 
-    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+    async def pick_draft(self, method: str, exclude: set[str], drafts: list[WorkerInfo] | None = None) -> str | None:
         return self._least_busy(self.draft, exclude)
 
 
@@ -217,12 +224,16 @@ class RedisRouter(Router):
     def room(self, verify: str) -> int:
         return self._rooms.get(verify, proposal_room())
 
-    async def down_links(self, verify: str) -> dict[str, float]:
+    async def draft_pool(self) -> list[WorkerInfo]:
+        return await self._workers(DRAFT)
+
+    async def down_links(self, verify: str, drafts: list[WorkerInfo] | None = None) -> dict[str, float]:
         """Besides this gateway's own, the links to `verify` that draft workers list as down in the
         registry (found by any gateway, or by the draft worker itself): each is tried again once the
         draft worker's probe finds it up, or after link_seconds at most."""
         own = await super().down_links(verify)
-        listed = [w.address for w in await self._workers(DRAFT) if verify in w.links_down and w.address not in own]
+        drafts = await self.draft_pool() if drafts is None else drafts
+        listed = [w.address for w in drafts if verify in w.links_down and w.address not in own]
         return own | dict.fromkeys(listed, time.monotonic() + self.link_seconds)
 
     async def verify_pool(self) -> list[WorkerInfo]:
@@ -250,9 +261,10 @@ class RedisRouter(Router):
                                f"every verify worker for model {self.model!r} has failed for this request")
         return best.address
 
-    async def pick_draft(self, method: str, exclude: set[str]) -> str | None:
+    async def pick_draft(self, method: str, exclude: set[str], drafts: list[WorkerInfo] | None = None) -> str | None:
         # A draft worker registered without a target model can only offer model-free n-gram drafting.
-        workers = [w for w in await self._workers(DRAFT) if method in w.methods
+        drafts = await self.draft_pool() if drafts is None else drafts
+        workers = [w for w in drafts if method in w.methods
                    and (w.model == self.model or (method == "ngram" and not w.model))]
         best = self._least_loaded([w for w in workers if self._usable(w.address, exclude)])
         return best.address if best else None
