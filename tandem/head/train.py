@@ -446,7 +446,6 @@ def main(argv=None) -> None:
         random.setstate(state["py_rng"])
     elif start is not None:
         head.load_state_dict(start.state_dict())
-        head.draft_vocab = start.draft_vocab
 
     from tandem.head import prompts
     train_prompts = prompts.load("train")
@@ -467,7 +466,7 @@ def main(argv=None) -> None:
     if state is not None and state.get("draft_vocab") is not None:
         head.draft_vocab = state["draft_vocab"]
     elif start is not None:
-        pass
+        head.draft_vocab = start.draft_vocab
     elif args.draft_vocab == "responses":
         seen = {t for r in train_rows for t in r["ids"][r["prompt_len"]:]} | set(engine.eos_ids)
         head.draft_vocab = torch.tensor(sorted(seen))
