@@ -3,7 +3,10 @@
     .venv/bin/python -m bench.e2e --only head [--quick]
 
 SmolLM2-135M-Instruct as target with the head shipped for it, through the running service: draft
-methods `none`, `ngram` and `head`, interleaved prompt by prompt, greedy, on two prompt sets: the
+methods `none`, `ngram` and `head` (greedy rounds as trees: the head's chain and its second choices
+as leaves, the verify worker's default --head-tree-leaves), and `head-chains` (the head's chains
+alone: a second stack, on a Redis of its own, whose verify worker runs --head-tree-leaves 0),
+interleaved prompt by prompt, greedy, on two prompt sets: the
 bench's own code prompts (bench/e2e.py PROMPTS) and held-out prompts of tandem/head/prompts.jsonl
 (split "heldout": subjects the head never saw in training), every family in turn
 (tandem.head.prompts.stratified: prompts the trainer evaluates on, none it fits its calibration
@@ -33,11 +36,13 @@ import grpc
 
 from bench.report import summarize, timed_generate
 from tandem.client import build_request
+from tandem.cluster.redis_conn import RedisServer
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 TARGET = "smollm2-135m-instruct"
-METHODS = ("none", "ngram", "head")
+METHODS = ("none", "ngram", "head", "head-chains")
+CHAINS = "head-chains"       # draft method head on the stack whose verify worker proposes chains only
 
 
 def prompt_sets(bench_prompts: list[str], heldout: int) -> dict[str, list[str]]:
@@ -53,21 +58,27 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
     print("head:", flush=True)
     sets = prompt_sets(bench_prompts, heldout)
     runs: dict[str, dict[str, list]] = {name: {m: [] for m in METHODS} for name in sets}
-    with Stack(TARGET, "none", threads=threads, verify_args=["--head", head]) as stack, \
-            grpc.insecure_channel(stack.address("gateway")) as ch:
-        stub = pb_grpc.GenerationServiceStub(ch)
-        for method in METHODS:
-            timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-        for name, texts in ({} if load_only else sets).items():
-            for text in texts:
-                for method in METHODS:
-                    run, r = timed_generate(stub, build_request(text, chat=True, max_new_tokens=max_new_tokens,
-                                                                method=method, k=ngram_k if method == "ngram" else 0))
-                    assert r.usage.draft_method == method, (method, r.usage.draft_method)
-                    runs[name][method].append(run)
-                    print(f"  {name:8s} {method:6s} {run['tok_s']:6.2f} tok/s", flush=True)
-        texts = sets["heldout"] + sets["bench"]
-        loaded = under_load(stub, texts, streams, passes, max_new_tokens, ngram_k) if streams else None
+    chains_redis = RedisServer().start()
+    try:
+        with Stack(TARGET, "none", threads=threads, verify_args=["--head", head]) as stack, \
+                Stack(TARGET, "none", threads=threads, redis_url=chains_redis.url,
+                      verify_args=["--head", head, "--head-tree-leaves", "0"]) as chains, \
+                grpc.insecure_channel(stack.address("gateway")) as ch, \
+                grpc.insecure_channel(chains.address("gateway")) as chains_ch:
+            stubs = {m: pb_grpc.GenerationServiceStub(chains_ch if m == CHAINS else ch) for m in METHODS}
+            for method in METHODS:
+                timed_generate(stubs[method], request("warm up", method, 8, ngram_k))
+            for name, texts in ({} if load_only else sets).items():
+                for text in texts:
+                    for method in METHODS:
+                        run, r = timed_generate(stubs[method], request(text, method, max_new_tokens, ngram_k))
+                        assert r.usage.draft_method == served(method), (method, r.usage.draft_method)
+                        runs[name][method].append(run)
+                        print(f"  {name:8s} {method:11s} {run['tok_s']:6.2f} tok/s", flush=True)
+            texts = sets["heldout"] + sets["bench"]
+            loaded = under_load(stubs, texts, streams, passes, max_new_tokens, ngram_k) if streams else None
+    finally:
+        chains_redis.stop()
     result = {"target": TARGET, "head": head, "max_new_tokens": max_new_tokens, "prompts": sets, "sets": {},
               "under_load": loaded}
     for name in () if load_only else sets:
@@ -78,27 +89,38 @@ def head_section(bench_prompts: list[str], heldout: int, max_new_tokens: int, th
                 a["tok_s"] / b["tok_s"] for a, b in zip(runs[name][m], runs[name]["none"]))
             summary[m]["output_equals_none"] = sum(a["text"] == b["text"]
                                                    for a, b in zip(runs[name][m], runs[name]["none"]))
-        result["sets"][name] = {"summary": summary, "runs": runs[name]}
+        result["sets"][name] = {"summary": summary, "runs": runs[name], "trees_vs_chains": {
+            "total": summary["head"]["tok_s_total"] / summary[CHAINS]["tok_s_total"],
+            "median": statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(runs[name]["head"], runs[name][CHAINS]))}}
     result["offline"] = None if load_only else offline(sets["heldout"], head, threads, max_new_tokens)
     return result
 
 
-def under_load(stub, texts: list[str], streams: int, passes: int, max_new_tokens: int, ngram_k: int) -> dict:
+def served(method: str) -> str:
+    """The draft method a bench method asks its stack for."""
+    return "head" if method == CHAINS else method
+
+
+def request(text: str, method: str, max_new_tokens: int, ngram_k: int):
+    return build_request(text, chat=True, max_new_tokens=max_new_tokens, method=served(method),
+                         k=ngram_k if method == "ngram" else 0)
+
+
+def under_load(stubs: dict, texts: list[str], streams: int, passes: int, max_new_tokens: int, ngram_k: int) -> dict:
     """Each method's `streams` requests at once, `passes` times (see the module's docstring)."""
     chosen = [texts[i % len(texts)] for i in range(streams)]
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
     with ThreadPoolExecutor(streams) as pool:
         for n in range(passes):
             for method in METHODS if n % 2 == 0 else METHODS[::-1]:
-                reqs = [build_request(t, chat=True, max_new_tokens=max_new_tokens, method=method,
-                                      k=ngram_k if method == "ngram" else 0) for t in chosen]
+                reqs = [request(t, method, max_new_tokens, ngram_k) for t in chosen]
                 start = time.perf_counter()
-                done = list(pool.map(lambda r: timed_generate(stub, r)[0], reqs))
+                done = list(pool.map(lambda r: timed_generate(stubs[method], r)[0], reqs))
                 wall = time.perf_counter() - start
                 tokens, rounds = sum(d["tokens"] for d in done), sum(d["rounds"] for d in done)
                 runs[method].append({"tok_s": tokens / wall, "tokens": tokens, "rounds": rounds, "wall": wall,
                                      "texts": [d["text"] for d in done]})
-                print(f"  {streams} streams {method:6s} {tokens / wall:7.2f} tok/s", flush=True)
+                print(f"  {streams} streams {method:11s} {tokens / wall:7.2f} tok/s", flush=True)
     out = {}
     for m, rs in runs.items():
         tokens, wall, rounds = (sum(r[k] for r in rs) for k in ("tokens", "wall", "rounds"))
@@ -125,7 +147,7 @@ def offline(texts: list[str], head: str, threads: int, max_new_tokens: int, bins
     model = CausalLM(TARGET, threads=threads)
     model.calibrate(17)
     tok = load_tokenizer(TARGET)
-    spec = HeadSpeculation(load_drafter(head, model, TARGET), VerifyEngine(model))
+    spec = HeadSpeculation(load_drafter(head, model, TARGET), VerifyEngine(model), leaves=0)   # the chains' reach
     engine, W = spec.engine, spec.drafter.config.block_size
     draft_s, verify_s = [], []
     pred, obs, count = [[0.0] * bins for _ in range(W)], [[0.0] * bins for _ in range(W)], [[0] * bins for _ in range(W)]
@@ -172,13 +194,17 @@ def print_head(result: dict) -> None:
     for name, part in result["sets"].items():
         print(f"\nhead, {name} prompts ({len(result['prompts'][name])}), {result['target']}, greedy, "
               f"{result['max_new_tokens']} new tokens:")
-        print("| method | tokens/s (all prompts) | speed-up (median) | acceptance | mean accepted length | output = none |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| method | tokens/s (all prompts) | speed-up (median) | acceptance | mean accepted length "
+              "| proposed per round | output = none |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for m, s in part["summary"].items():
             acc = f"{s['acceptance']:.0%}" if s["acceptance"] is not None else "-"
             mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] is not None else "-"
+            nodes = f"{s['nodes_per_round']:.2f}" if s["nodes_per_round"] is not None else "-"
             print(f"| {m} | {s['tok_s_total']:.2f} | {s['speedup']:.2f}x ({s['speedup_median']:.2f}x) | {acc} | {mal} "
-                  f"| {s['output_equals_none']}/{s['runs']} |")
+                  f"| {nodes} | {s['output_equals_none']}/{s['runs']} |")
+        t = part["trees_vs_chains"]
+        print(f"head (trees) against head-chains: {t['total']:.2f}x (median per prompt {t['median']:.2f}x)")
     if (load := result.get("under_load")):
         print(f"\nhead, {load['streams']} concurrent streams (held-out and bench prompts in turn), "
               f"{load['passes']} passes:")

@@ -67,4 +67,5 @@ def summarize(runs: list[dict]) -> dict:
             "tok_s_total": tokens / sum(r["seconds"] for r in runs),
             "acceptance": accepted / drafted if drafted else None,
             "forced": sum(r.get("forced", 0) for r in runs), "forced_accepted": sum(r.get("forced_accepted", 0) for r in runs),
-            "mean_accepted_length": tokens / rounds if rounds else None, "runs": len(runs)}
+            "mean_accepted_length": tokens / rounds if rounds else None,
+            "nodes_per_round": drafted / rounds if rounds else None, "runs": len(runs)}

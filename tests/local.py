@@ -67,7 +67,7 @@ def speculate_head(engine: VerifyEngine, spec, prompt: list[int], params: Sampli
     drafted = accepted = 0
     while not s.stop_reason:
         step, proposed = spec.step(s, s.drafting)
-        v = step.then(engine.model.forward(step.tokens, s.cache, taps=spec.taps))
+        v = step.then(engine.model.forward_batch([(s.cache, step.tokens, None, step.tree)], spec.taps)[0])
         drafted += len(proposed)
         accepted += v.accepted
     return s.tokens[len(prompt):], drafted, accepted

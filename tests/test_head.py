@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 
 from tandem.head import checkpoint
 from tandem.head.checkpoint import HeadFileError
-from tandem.head.drafter import HeadContext, HeadDrafter, choose_k, gain_at_price, pays_for_head_pass, worth_its_price
+from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, choose_k, gain_at_price, pays_for_head_pass,
+                                 with_alternatives, worth_its_price)
 from tandem.head.model import BlockHead, HeadConfig
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import SamplingParams
@@ -61,10 +62,10 @@ def prompts(target):
     return [p if isinstance(p, list) else tok(p).input_ids for p in PROMPTS]
 
 
-def serving(target, path) -> HeadSpeculation:
+def serving(target, path, leaves: int = headspec.HEAD_TREE_LEAVES) -> HeadSpeculation:
     """The verify worker's head speculation, as `verify_worker --head path` builds it."""
     folder, model, _ = target
-    return HeadSpeculation(checkpoint.load_drafter(str(path), model, str(folder)), VerifyEngine(model))
+    return HeadSpeculation(checkpoint.load_drafter(str(path), model, str(folder)), VerifyEngine(model), leaves)
 
 
 def bare_drafter(target, head: BlockHead) -> HeadDrafter:
@@ -136,12 +137,15 @@ def test_greedy_with_an_untrained_head_is_the_targets_output(target, head_file, 
     assert drafted > 0 and seen["rounds"] > 0
 
 
-def table_head(target, path, sequences: list[list[int]]) -> HeadSpeculation:
+def table_head(target, path, sequences: list[list[int]], second: bool = False, confidence: float = 4.0,
+               leaves: int = headspec.HEAD_TREE_LEAVES) -> HeadSpeculation:
     """Serving speculation with a head whose Markov table proposes, after each token, what followed
     it first in `sequences` (bias 100 on that token, far above the untrained base logits), and
-    whose confidence is ~0.98 everywhere, so every round proposes a whole block."""
-    spec = serving(target, path)
+    whose confidence is sigmoid(`confidence`) everywhere (~0.98: every round proposes a whole
+    block). second: the table's token is the head's second choice (99), after another (100)."""
+    spec = serving(target, path, leaves)
     head = spec.drafter.head
+    vocab = head.markov_head.markov_w2.weight.shape[0]
     follows: dict[int, int] = {}
     for seq in sequences:
         for a, b in zip(seq, seq[1:]):
@@ -153,9 +157,11 @@ def table_head(target, path, sequences: list[list[int]]) -> HeadSpeculation:
         head.markov_head.markov_w2.weight.zero_()
         for i, (a, b) in enumerate(follows.items()):
             head.markov_head.markov_w1.weight[a, i] = 1.0
-            head.markov_head.markov_w2.weight[b, i] = 100.0
+            head.markov_head.markov_w2.weight[b, i] = 99.0 if second else 100.0
+            if second:
+                head.markov_head.markov_w2.weight[(b + 7) % vocab, i] = 100.0
         head.confidence_head.proj.weight.zero_()
-        head.confidence_head.proj.bias.fill_(4.0)
+        head.confidence_head.proj.bias.fill_(confidence)
     return spec
 
 
@@ -178,6 +184,55 @@ def test_greedy_with_a_head_that_drafts_well_is_the_targets_output(target, promp
         drafted, accepted = drafted + d, accepted + a
     tokens = sum(len(r) for r in refs)
     assert accepted > tokens / 2 and seen["rounds"] < tokens / 2, (accepted, drafted, seen, tokens)
+
+
+def test_greedy_trees_take_the_heads_second_choices_and_stay_the_targets_output(target, prompts, tmp_path,
+                                                                                 monkeypatch):
+    """A head whose Markov table puts the target's token second, after another, unsure of each
+    position (confidence 0.5), with and without leaves: both give the target's output, and the head's
+    context holds the accepted path's states, not the rejected chain's (checked_rounds); with
+    leaves, rounds go through a second choice (a token a chain would not have had) and fewer
+    rounds are needed."""
+    from tandem.service import metrics
+    model = target[1]
+    path = build_random_head(tmp_path / "second.safetensors", target[0], seed=4, block_size=BLOCK, markov_rank=64)
+    params = SamplingParams(max_new_tokens=20)
+    refs = [reference(model, p, params) for p in prompts]
+    monkeypatch.setattr(model, "forward_ms", [2.0 + 0.01 * i for i in range(17)])
+    through = metrics.TREE_ROUNDS.labels("branch")
+    seen: dict = {}
+    for leaves in (0, headspec.HEAD_TREE_LEAVES):
+        spec = table_head(target, path, [p[-1:] + r for p, r in zip(prompts, refs)], second=True, confidence=0.0,
+                          leaves=leaves)
+        monkeypatch.setattr(spec, "_lookup", lambda *a: None)     # the head's blocks only, no prompt lookups
+        seen[leaves] = {}
+        checked_rounds(spec, model, monkeypatch, seen[leaves])
+        before = through._value.get()
+        for prompt, ref in zip(prompts, refs):
+            out, _, _ = speculate_head(VerifyEngine(model), spec, prompt, params)
+            assert out == ref, (leaves, prompt)
+        seen[leaves]["branch"] = through._value.get() - before
+    chains, trees = seen[0], seen[headspec.HEAD_TREE_LEAVES]
+    assert chains["branch"] == 0 and trees["branch"] > trees["rounds"] / 3, seen
+    assert trees["rounds"] < chains["rounds"] * 0.9, seen
+
+
+def test_leaves_are_the_likeliest_second_choices_that_pay():
+    """with_alternatives: the chain, then second choices as leaves (a sibling of the chain's token
+    at their position), by value (reach x rejection x share), at most `most`, while they pay."""
+    draft = HeadDraft([10, 11, 12, 13], [0.5, 0.5, 0.9, 0.5], alternatives=[(20, 1.0), (21, 0.5), (-1, 0.0), (23, 1.0)])
+    # values: j0 0.5, j1 0.5*0.5*0.5 = 0.125, j2 none, j3 0.5*0.5*0.9*0.5 = 0.1125
+    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.1) == ([10, 11, 12, 13, 20, 21, 23],
+                                                                    [-1, 0, 1, 2, -1, 0, 2], [0.5, 0.125, 0.1125])
+    assert with_alternatives(draft, 4, 2, lambda v, n: True)[:2] == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
+    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.12)[:2] == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
+    assert with_alternatives(draft, 4, 4, lambda v, n: n < 5)[:2] == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1])
+    assert with_alternatives(draft, 2, 4, lambda v, n: True)[:2] == ([10, 11, 20, 21], [-1, 0, -1, 0])
+    assert with_alternatives(draft, 4, 4, lambda v, n: False) == ([10, 11, 12, 13], None, [])
+    assert with_alternatives(HeadDraft([10], [0.5]), 1, 4, lambda v, n: True) == ([10], None, [])
+    # scaled by how often such leaves were taken: at half, only position 0's (0.25) beats 0.1
+    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.1, scale=0.5) == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1],
+                                                                               [0.25])
 
 
 # ---------------------------------------------------------------------------------------------

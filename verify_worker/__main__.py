@@ -30,6 +30,7 @@ from tandem.speculation.grammar import Grammars
 from tandem.v1 import internal_pb2, internal_pb2_grpc
 from tandem.head.checkpoint import HeadFileError, load_drafter
 from verify_worker.engine import VerifyEngine
+from verify_worker.headspec import HEAD_TREE_LEAVES
 from verify_worker.headspec import METHOD as HEAD
 from verify_worker.headspec import HeadSpeculation
 from verify_worker.kvstore import SessionKeeper
@@ -65,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--head-sha256", default="",
              help="the sha256 (hex) the --head file (a DeepSpec folder's weights file) must have, or the worker "
                   "does not start; 'shipped' is always checked against the sha256 shipped with it")
+    add_flag(parser, "--head-tree-leaves", default=HEAD_TREE_LEAVES, type=int,
+             help="greedy rounds of draft method 'head': propose a token tree, the head's chain and up to this "
+                  "many of its second choices as leaves, each only where the head's estimate that the target "
+                  "takes it pays for its position in the pass; 0: chains")
     add_guide_flags(parser)
     add_worker_flags(parser)
     return parser.parse_args(argv)
@@ -77,6 +82,8 @@ async def main(args: argparse.Namespace) -> None:
     for flag in ("max_batch_tokens", "prefill_chunk"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.head_tree_leaves < 0:
+        raise SystemExit(f"--head-tree-leaves must be 0 or more, got {args.head_tree_leaves}")
     if args.admission_timeout < 0:
         raise SystemExit(f"--admission-timeout must be >= 0, got {args.admission_timeout}")
     if args.head_sha256 and not (args.head and re.fullmatch(r"[0-9a-fA-F]{64}", args.head_sha256)):
@@ -103,7 +110,8 @@ async def main(args: argparse.Namespace) -> None:
     head = None
     if args.head:
         try:
-            head = HeadSpeculation(load_drafter(args.head, model, args.model, args.head_sha256), engine)
+            head = HeadSpeculation(load_drafter(args.head, model, args.model, args.head_sha256), engine,
+                                   args.head_tree_leaves)
         except HeadFileError as e:
             raise SystemExit(f"--head: {e}") from None
         metrics.register("verify_worker_head")

@@ -50,6 +50,7 @@ class VerdictResult:
     token_ids: list[int]     # accepted tokens + the bonus/corrected token, cut at a stop
     stop_reason: Finish
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when the session reports
+    path: list[int] | None = None      # the proposed indices accepted, in order (a tree's path; a chain's 0..)
 
 
 class VerifyEngine:
@@ -182,6 +183,7 @@ class VerifyEngine:
         # Keep the last committed token and the accepted path; the other positions are dropped.
         s.cache.keep_path(base + 1, path)
         verdict = self._commit(s, len(path), [*(proposed[j] for j in path), next_token])
+        verdict.path = path[:verdict.accepted]
         if s.params.reports:
             # the raw logits' row after the root and after each accepted token: the distribution
             # each of token_ids was decided from

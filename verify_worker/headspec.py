@@ -42,19 +42,24 @@ from operator import mul
 import torch
 
 from tandem.engine.batcher import Step
-from tandem.head.drafter import HeadContext, HeadDraft, HeadDrafter, choose_k, pays_for_head_pass, worth_its_price
+from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, choose_k, pays_for_head_pass, with_alternatives,
+                                 worth_its_price)
 from tandem.head.model import state_indices
 from tandem.service import metrics
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.ngram import lookup
 from tandem.speculation.room import plan_k
 from tandem.speculation.sampling import make_generator
+from tandem.speculation import tree
 from tandem.speculation.survival import Survival, position_ms
+from tandem.speculation.tree import TreeBudget
 from verify_worker.engine import TargetSession, VerdictResult, VerifyEngine
 
 METHOD = "head"
 MAX_REST = 8        # most plain rounds in a row after the head proposed nothing
 HELD_ROWS = 32      # most committed positions' states held back from a resting head's context
+HEAD_TREE_LEAVES = 4   # the verify worker's default --head-tree-leaves
+LEAF_DECAY = 0.99      # per round with leaves: how fast older leaves weigh less in leaf_scale
 
 
 @dataclass
@@ -86,8 +91,11 @@ class HeadSpeculation:
     span = "head round"
     reads_states = True
 
-    def __init__(self, drafter: HeadDrafter, engine: VerifyEngine) -> None:
-        self.drafter, self.engine = drafter, engine
+    def __init__(self, drafter: HeadDrafter, engine: VerifyEngine, leaves: int = 0) -> None:
+        """leaves: greedy rounds propose a tree, with up to this many of the head's second choices as
+        leaves beside its chain (with_alternatives); 0: chains."""
+        self.drafter, self.engine, self.leaves = drafter, engine, leaves
+        self.leaves_estimated = self.leaves_taken = 0.0     # see leaf_scale
         self.taps = state_indices(drafter.taps)           # indices into the target's hidden states
         self.draft_ms = 0.0                                # running mean of one head pass
         # greedy, across sessions: the price of the latest pass, and the latest proposal's reach
@@ -134,7 +142,8 @@ class HeadSpeculation:
         position through the request's pipeline and guide, as the target's rows will be."""
         self._catch_up(h)                        # not timed: a head pass's price is the pass alone
         start = time.perf_counter()
-        rows = RowDrafter(s.tokens, s.prompt_len, s.params, self.engine.model.eos_ids, s.grammar, h.generator)
+        rows = RowDrafter(s.tokens, s.prompt_len, s.params, self.engine.model.eos_ids, s.grammar, h.generator,
+                          want_prob=bool(self.leaves) and s.params.greedy)
         try:
             head = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, rows)
         finally:
@@ -185,13 +194,37 @@ class HeadSpeculation:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.
             h.backoff = 0 if k else min(MAX_REST, 2 * h.backoff or 1)
             h.rest = h.backoff
-        proposed = draft.tokens[:k]
+        proposed, parents, values = draft.tokens[:k], None, []
+        if k and self.leaves and s.params.greedy:
+            proposed, parents, values = with_alternatives(draft, k, min(self.leaves, room - k),
+                                                          self._leaf_worth(draft, k, price), self.leaf_scale())
         support = draft.support[:len(proposed)] if draft.support is not None else None
-        then = partial(self._judge, s, h, proposed, support, draft.ngram)
-        return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True), proposed
+        then = partial(self._judge, s, h, proposed, (parents, values), support, draft.ngram)
+        return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True,
+                    tree=None if parents is None else tree.fed(parents)), proposed
 
-    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], support, ngram: int,
-               rows) -> VerdictResult:
+    def _leaf_worth(self, draft: HeadDraft, k: int, price: float):
+        """Whether a leaf taken this often pays for its position in the pass: it must beat the
+        pass's price and what the position's time would have given (the round's expected tokens per
+        ms of the head pass and a verify pass as long, by the calibrated curve), and a floor."""
+        curve = self.engine.model.forward_ms
+        slope = position_ms(curve)
+        expected = 1.0 + sum(accumulate(draft.confidence[:k], mul))
+
+        def worth(value: float, nodes: int) -> bool:
+            seconds = self.draft_ms + (curve[min(nodes, len(curve) - 1)] if curve else 0.0)
+            own = expected * slope / seconds if seconds > 0 else 0.0
+            return value > max(TreeBudget.AT_LEAST, price, own)
+        return worth
+
+    def leaf_scale(self) -> float:
+        """How often the head's second choices were taken against its estimate (with_alternatives),
+        over recent fed leaves, older ones weighing less; 1 before any, as if one leaf's estimate
+        had been right."""
+        return (self.leaves_taken + 1.0) / (self.leaves_estimated + 1.0)
+
+    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], tree_of: tuple[list[int] | None, list[float]],
+               support, ngram: int, rows) -> VerdictResult:
         logits, features = rows
         vocab = self.engine.model.vocab_size
 
@@ -203,10 +236,20 @@ class HeadSpeculation:
                 dense[i, ids] = probs
             return dense
 
-        verdict = self.engine.judge_fed(s, proposed, q, logits)
+        parents, values = tree_of
+        verdict = self.engine.judge_fed(s, proposed, q, logits, parents)
         if ngram and proposed:
             h.lookups[ngram].add(logits.shape[0] - 1, verdict.accepted)
-        h.held.append(features[:s.cache.length - h.known()].clone())   # not a view of the whole pass
+        if parents is not None:       # the leaves follow the chain: a path through one ends there
+            chain = len(proposed) - len(values)
+            fed = values[:max(0, logits.shape[0] - 1 - chain)]
+            taken = bool(verdict.path) and verdict.path[-1] >= chain
+            self.leaves_estimated = LEAF_DECAY * self.leaves_estimated + sum(fed)
+            self.leaves_taken = LEAF_DECAY * self.leaves_taken + taken
+            metrics.TREE_ROUNDS.labels("branch" if taken else "line").inc()
+        # the committed positions' states: the root's and the accepted path's rows, in order
+        fed = [0, *(j + 1 for j in verdict.path)][:s.cache.length - h.known()]
+        h.held.append(features[fed].clone())
         if h.held_rows() >= HELD_ROWS:
             self._catch_up(h)
         h.proposal = None

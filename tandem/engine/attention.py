@@ -151,14 +151,18 @@ class ForwardBatch:
 
 def _rows(parts: list[tuple], device) -> list[Row]:
     """Each new token of each session, attending its session's positions up to its own, or, in a
-    tree, the committed positions and its ancestors."""
+    tree, the committed positions and its ancestors: a slice of the run where those are every
+    position before it (a chain's nodes, and the tree's first line), else gathered."""
     rows: list[Row] = []
     for start, past, n, _, tree in parts:
         if tree is None:
             rows.extend(Row(len(rows), slice(start, start + past + i + 1)) for i in range(n))
             continue
         committed = torch.arange(start, start + past)
-        for mine in ancestors_mask(tree):
+        for i, mine in enumerate(ancestors_mask(tree)):
+            if mine[:i + 1].all() and not mine[i + 1:].any():
+                rows.append(Row(len(rows), slice(start, start + past + i + 1)))
+                continue
             own = start + past + mine.nonzero().flatten()
             rows.append(Row(len(rows), torch.cat([committed, own]).to(device)))
     return rows

@@ -16,6 +16,7 @@ are, so q is exactly the distribution drawn from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
@@ -23,6 +24,7 @@ from operator import mul
 import torch
 
 from tandem.head.model import BlockHead
+from tandem.speculation import tree
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.survival import worth
 
@@ -61,6 +63,10 @@ class HeadDraft:
     confidence: list[float]        # per position: predicted probability the target accepts it
     support: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # q per position, when sampled
     ngram: int = 0                 # a prompt lookup's match length when the tokens come from one
+    # greedy, where asked for: per position, the head's second choice and its share of what the
+    # head's first choice leaves (q2 / (1 - q1)), its estimate of the target's token there when the
+    # first is rejected; (-1, 0.0) where there is none
+    alternatives: list[tuple[int, float]] | None = None
 
 
 class HeadDrafter:
@@ -117,6 +123,7 @@ class HeadDrafter:
             base = self.lm_head(hidden).float()                                             # [k, V]
         markov = head.markov_head
         confidence = []
+        alternatives = [] if rows.want_prob else None
         prev = anchor
         for j in range(k):
             prev_t = torch.tensor([prev])
@@ -134,10 +141,41 @@ class HeadDrafter:
             conf = head.confidence_logits(hidden[j:j + 1], prev_t)
             confidence.append(1.0 if conf is None else
                               float(head.acceptance(conf, torch.tensor([j]), rows.params.greedy)[0]))
+            if alternatives is not None:
+                share = drawn.alt_prob / (1.0 - drawn.prob) if drawn.alt >= 0 and drawn.prob < 1.0 else 0.0
+                alternatives.append((drawn.alt, min(1.0, share)))
             if drawn.token in rows.eos_ids:
                 break
             prev = drawn.token
-        return HeadDraft(list(rows.tokens), confidence, rows.support)
+        return HeadDraft(list(rows.tokens), confidence, rows.support, alternatives=alternatives)
+
+
+def with_alternatives(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int], bool], scale: float = 1.0
+                      ) -> tuple[list[int], list[int] | None, list[float]]:
+    """The proposal of a greedy round whose chain is the draft's first k tokens: the chain, and as
+    leaves the head's second choices at the chain's positions (a leaf at position j is a sibling of
+    the chain's token j), at most `most` of them, the likeliest first, each while `worth(value,
+    nodes so far)` says it pays. A leaf's value is the chance the target takes it: position j
+    reached (the chain's confidences before it), its chain token rejected, and the head's share for
+    its second choice times `scale` (how often such leaves were taken against that estimate).
+    Returns (tokens, parents, the leaves' values in order); parents None for a chain
+    (tandem.speculation.tree)."""
+    tokens = draft.tokens[:k]
+    if not draft.alternatives or most <= 0:
+        return tokens, None, []
+    reach = list(accumulate(draft.confidence[:k], mul, initial=1.0))     # [j]: position j reached
+    values = sorted(((min(1.0, reach[j] * (1.0 - draft.confidence[j]) * share * scale), j)
+                     for j, (alt, share) in enumerate(draft.alternatives[:k]) if alt >= 0), reverse=True)
+    leaves: list[tuple[int, float]] = []
+    for value, j in values[:most]:
+        if not worth(value, k + len(leaves)):
+            break
+        leaves.append((j, value))
+    if not leaves:
+        return tokens, None, []
+    leaves.sort()
+    return (tokens + [draft.alternatives[j][0] for j, _ in leaves], tree.chain(k) + [j - 1 for j, _ in leaves],
+            [v for _, v in leaves])
 
 
 def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0, floor: float = 0.05) -> int:

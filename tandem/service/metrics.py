@@ -109,7 +109,8 @@ PREPARED = Counter("tandem_draft_prepared_continuations", "Streamed proposals (-
                    "judged them (hit: the target took the second choice there, and the continuation went "
                    "out at once; miss: the target took a third token there; unused: the target took the "
                    "draft's first choice, or went another way earlier)", ["outcome"], registry=_NO)
-TREE_ROUNDS = Counter("tandem_draft_tree_rounds", "Rounds proposed as a token tree (--tree-branches), by the path "
+TREE_ROUNDS = Counter("tandem_draft_tree_rounds", "Rounds proposed as a token tree (a draft worker's "
+                      "--tree-branches, a verify worker's --head-tree-leaves), by the path "
                       "the verdict took: line (the main line's tokens only) or branch (through a branch or a "
                       "leaf: tokens a chain would not have had)", ["path"], registry=_NO)
 LINK_EVENTS = Counter("tandem_draft_link_events", "Requests a fault of the link to their verify worker ended "
@@ -158,7 +159,8 @@ _OWNED = {
                       PREFILL_TOKENS, VERIFY_SECONDS, PASS_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
                       KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS, INFERENCE_BUSY],
     # what a verify worker with a trained head adds: it drafts too (method "head")
-    "verify_worker_head": [PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS],
+    "verify_worker_head": [PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS,
+                           TREE_ROUNDS],
 }
 SERVICES = tuple(_OWNED)
 
