@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 
 from tandem.head import checkpoint
 from tandem.head.checkpoint import HeadFileError
-from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, choose_k, gain_at_price, pays_for_head_pass,
-                                 with_alternatives, worth_its_price)
+from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, choose_k, gain_at_price, head_tree,
+                                 pays_for_head_pass, worth_its_price)
+from tandem.speculation import tree
 from tandem.head.model import BlockHead, HeadConfig
 from tandem.speculation.drafting import RowDrafter
 from tandem.speculation.sampling import SamplingParams
@@ -218,21 +219,52 @@ def test_greedy_trees_take_the_heads_second_choices_and_stay_the_targets_output(
 
 
 def test_leaves_are_the_likeliest_second_choices_that_pay():
-    """with_alternatives: the chain, then second choices as leaves (a sibling of the chain's token
-    at their position), by value (reach x rejection x share), at most `most`, while they pay."""
+    """head_tree: the chain, then second choices as leaves (a sibling of the chain's token at their
+    position), likeliest first (reach x rejection x share), while they pay and room is left."""
     draft = HeadDraft([10, 11, 12, 13], [0.5, 0.5, 0.9, 0.5], alternatives=[(20, 1.0), (21, 0.5), (-1, 0.0), (23, 1.0)])
     # values: j0 0.5, j1 0.5*0.5*0.5 = 0.125, j2 none, j3 0.5*0.5*0.9*0.5 = 0.1125
-    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.1) == ([10, 11, 12, 13, 20, 21, 23],
-                                                                    [-1, 0, 1, 2, -1, 0, 2], [0.5, 0.125, 0.1125])
-    assert with_alternatives(draft, 4, 2, lambda v, n: True)[:2] == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
-    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.12)[:2] == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
-    assert with_alternatives(draft, 4, 4, lambda v, n: n < 5)[:2] == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1])
-    assert with_alternatives(draft, 2, 4, lambda v, n: True)[:2] == ([10, 11, 20, 21], [-1, 0, -1, 0])
-    assert with_alternatives(draft, 4, 4, lambda v, n: False) == ([10, 11, 12, 13], None, [])
-    assert with_alternatives(HeadDraft([10], [0.5]), 1, 4, lambda v, n: True) == ([10], None, [])
+
+    def shape(t):
+        return t.tokens, t.parents
+
+    t = head_tree(draft, 4, 4, lambda v, n: v > 0.1)
+    assert shape(t) == ([10, 11, 12, 13, 20, 21, 23], [-1, 0, 1, 2, -1, 0, 2])
+    assert t.chain == 4 and t.leaves == {4: 0.5, 5: 0.125, 6: 0.1125} and t.lookup == []
+    assert shape(head_tree(draft, 4, 2, lambda v, n: True)) == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
+    assert shape(head_tree(draft, 4, 4, lambda v, n: True, leaves=1)) == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1])
+    assert shape(head_tree(draft, 4, 4, lambda v, n: v > 0.12)) == ([10, 11, 12, 13, 20, 21], [-1, 0, 1, 2, -1, 0])
+    assert shape(head_tree(draft, 4, 4, lambda v, n: n < 5)) == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1])
+    assert shape(head_tree(draft, 2, 4, lambda v, n: True)) == ([10, 11, 20, 21], [-1, 0, -1, 0])
+    assert shape(head_tree(draft, 4, 4, lambda v, n: False)) == ([10, 11, 12, 13], None)
+    assert shape(head_tree(HeadDraft([10], [0.5]), 1, 4, lambda v, n: True)) == ([10], None)
     # scaled by how often such leaves were taken: at half, only position 0's (0.25) beats 0.1
-    assert with_alternatives(draft, 4, 4, lambda v, n: v > 0.1, scale=0.5) == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1],
-                                                                               [0.25])
+    t = head_tree(draft, 4, 4, lambda v, n: v > 0.1, scale=0.5)
+    assert shape(t) == ([10, 11, 12, 13, 20], [-1, 0, 1, 2, -1]) and t.leaves == {4: 0.25}
+    # likeliest first, not by position
+    late = HeadDraft([10, 11], [0.9, 0.1], alternatives=[(20, 0.1), (21, 1.0)])     # j0 0.01, j1 0.81
+    assert shape(head_tree(late, 2, 4, lambda v, n: True)) == ([10, 11, 21, 20], [-1, 0, 0, -1])
+
+
+def test_a_prompt_lookup_goes_in_as_a_branch_where_it_leaves_the_heads_chain():
+    """head_tree with the other source's proposal: its tokens after the chain's shared prefix as a
+    line, each node valued at that source's reach; a second choice that is the branch's first token
+    gives no leaf; the lookup's tokens are listed (shared prefix, then the branch)."""
+    looked = HeadDraft([10, 11, 30, 31, 32], [0.9, 0.9, 0.9, 0.5, 0.1], ngram=3)     # reach .9 .81 .729 .36 .036
+    draft = HeadDraft([10, 11, 12, 13], [0.5, 0.5, 0.9, 0.5], alternatives=[(20, 1.0), (21, 0.5), (30, 1.0), (23, 1.0)],
+                      other=looked)
+    t = head_tree(draft, 4, 16, lambda v, n: v > 0.1)
+    assert (t.tokens, t.parents) == ([10, 11, 12, 13, 30, 31, 20, 21, 23], [-1, 0, 1, 2, 1, 4, -1, 0, 2])
+    assert t.chain == 4 and t.lookup == [0, 1, 4, 5] and set(t.leaves) == {6, 7, 8}
+    assert tree.problem(t.tokens, t.parents) is None
+    # the head's block as the branch of a lookup's chain: no leaves (a lookup has no second choices)
+    head = HeadDraft([10, 40, 41], [0.6, 0.5, 0.5])                                      # reach .6 .3 .15
+    main = HeadDraft([10, 11, 30], [0.9, 0.9, 0.9], ngram=2, other=head)
+    t = head_tree(main, 3, 16, lambda v, n: v > 0.1)
+    assert (t.tokens, t.parents, t.lookup, t.leaves) == ([10, 11, 30, 40, 41], [-1, 0, 1, 0, 3], [0, 1, 2], {})
+    # a lookup that only repeats the chain adds nothing; room caps the branch
+    same = HeadDraft([10, 11], [0.9, 0.9], ngram=1)
+    assert head_tree(HeadDraft([10, 11, 12], [0.5] * 3, other=same), 3, 16, lambda v, n: True).parents is None
+    assert head_tree(draft, 4, 1, lambda v, n: v > 0.1).tokens == [10, 11, 12, 13, 30]
 
 
 # ---------------------------------------------------------------------------------------------

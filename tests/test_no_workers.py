@@ -90,6 +90,7 @@ def test_no_verify_worker_then_no_draft_worker_then_redis_lost(tiny_pair, tiny_m
     ("verify_worker", ["--kv-budget-tokens", "-5"], "--kv-budget-tokens must be > 0"),
     ("verify_worker", ["--head", "shipped", "--head-sha256", "8aa637"],
      "--head-sha256 must be 64 hex digits and needs --head, got '8aa637'"),
+    ("verify_worker", ["--head-tree-leaves", "-1"], "--head-tree-leaves must be 0 or more, got -1"),
 ])
 def test_bad_flags_stop_start_up_with_a_clear_message(service, flags, message, tiny_pair):
     import subprocess

@@ -79,7 +79,7 @@ def test_real_model_with_the_shipped_head_equals_transformers(smollm):
     model, tok = smollm
     oracle = AutoModelForCausalLM.from_pretrained(resolve(PRESET), dtype=torch.float32).eval()
     spec = HeadSpeculation(load_drafter("shipped", model, PRESET), VerifyEngine(model))
-    drafted = accepted = 0
+    drafted = accepted = generated = 0
     for question in ("Write a Python function that returns the largest of three numbers.",
                      "What is the difference between a list and a tuple?"):
         text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
@@ -90,8 +90,12 @@ def test_real_model_with_the_shipped_head_equals_transformers(smollm):
                                   do_sample=False, max_new_tokens=48, pad_token_id=tok.eos_token_id)
         want = ref[0, len(ids):].tolist()
         assert out == want[:len(out)] and len(out) == len(want) - (want[-1] in model.eos_ids), question
-        drafted, accepted = drafted + d, accepted + a
-    assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+        drafted, accepted, generated = drafted + d, accepted + a, generated + len(out)
+    # a round gives its accepted tokens and one of the target's: over half a token accepted a round
+    # (an untrained head gets about none; trees propose more tokens than they can accept, so per
+    # proposed token the rate says less)
+    rounds = generated - accepted
+    assert drafted > 0 and accepted > rounds / 2, (accepted, rounds, drafted)
 
 
 def test_the_head_proposes_a_prompt_lookup_where_the_answer_copies_the_prompt(smollm):

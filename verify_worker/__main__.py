@@ -67,9 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="the sha256 (hex) the --head file (a DeepSpec folder's weights file) must have, or the worker "
                   "does not start; 'shipped' is always checked against the sha256 shipped with it")
     add_flag(parser, "--head-tree-leaves", default=HEAD_TREE_LEAVES, type=int,
-             help="greedy rounds of draft method 'head': propose a token tree, the head's chain and up to this "
-                  "many of its second choices as leaves, each only where the head's estimate that the target "
-                  "takes it pays for its position in the pass; 0: chains")
+             help="greedy rounds of draft method 'head': propose a token tree, the chain (the head's block or a "
+                  "prompt lookup's), the other of the two as a branch where it leaves the chain, and up to this "
+                  "many of the head's second choices as leaves, each node only where the estimate that the "
+                  "target takes it pays for its position in the pass; 0: chains")
     add_guide_flags(parser)
     add_worker_flags(parser)
     return parser.parse_args(argv)

@@ -29,6 +29,10 @@ and proposes what followed instead of the head's block when that promises more a
 this session's acceptance of earlier lookups with as long a match, against the head's confidence.
 Where answers copy the prompt (extraction, edits, roleplay) lookups win; elsewhere the head does.
 The choice reads only what is already decided, so sampled output stays exact and reproducible.
+
+Greedy rounds propose a token tree (--head-tree-leaves, tandem.head.drafter.head_tree): the chain,
+the other of the two proposals as a branch where it leaves the chain, and the head's second
+choices as leaves, each node only where its chance of being taken pays for its position.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from operator import mul
 import torch
 
 from tandem.engine.batcher import Step
-from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, choose_k, pays_for_head_pass, with_alternatives,
+from tandem.head.drafter import (HeadContext, HeadDraft, HeadDrafter, HeadTree, choose_k, head_tree, pays_for_head_pass,
                                  worth_its_price)
 from tandem.head.model import state_indices
 from tandem.service import metrics
@@ -91,9 +95,9 @@ class HeadSpeculation:
     span = "head round"
     reads_states = True
 
-    def __init__(self, drafter: HeadDrafter, engine: VerifyEngine, leaves: int = 0) -> None:
-        """leaves: greedy rounds propose a tree, with up to this many of the head's second choices as
-        leaves beside its chain (with_alternatives); 0: chains."""
+    def __init__(self, drafter: HeadDrafter, engine: VerifyEngine, leaves: int = HEAD_TREE_LEAVES) -> None:
+        """leaves: greedy rounds propose a tree (head_tree), with up to this many of the head's second
+        choices as leaves; 0: chains."""
         self.drafter, self.engine, self.leaves = drafter, engine, leaves
         self.leaves_estimated = self.leaves_taken = 0.0     # see leaf_scale
         self.taps = state_indices(drafter.taps)           # indices into the target's hidden states
@@ -148,25 +152,34 @@ class HeadSpeculation:
             head = self.drafter.draft(h.context, s.tokens[-1], self.drafter.config.block_size, rows)
         finally:
             rows.finish()
-        h.proposal = self._lookup(s, h, head) or head
+        h.proposal = self._choose(s, h, head, self._lookup(s, h))
         seconds = time.perf_counter() - start
         metrics.PROPOSE.observe(seconds)
         ms = 1000 * seconds
         self.draft_ms = ms if not self.draft_ms else 0.9 * self.draft_ms + 0.1 * ms
 
-    def _lookup(self, s: TargetSession, h: HeadSession, head: HeadDraft) -> HeadDraft | None:
-        """A prompt lookup's proposal (tandem.speculation.ngram) when it promises more accepted
-        tokens than the head's block: by this session's acceptance of earlier lookups with a match
-        as long, against the head's confidence. Its tokens are certain: q puts all its mass on them."""
+    def _lookup(self, s: TargetSession, h: HeadSession) -> HeadDraft | None:
+        """A prompt lookup's proposal (tandem.speculation.ngram), its confidences from this session's
+        acceptance of earlier lookups with a match as long. Its tokens are certain: q puts all its
+        mass on them."""
         follow, n = lookup(s.tokens, self.engine.max_proposal)
         if not follow:
             return None
         reach = h.lookups.setdefault(n, Survival()).reach(len(follow))
-        if sum(reach) <= sum(accumulate(head.confidence, mul)):
-            return None
         confidence = [r / before if before else 0.0 for r, before in zip(reach, [1.0, *reach])]
         support = None if s.params.greedy else [(torch.tensor([t]), torch.tensor([1.0])) for t in follow]
         return HeadDraft(follow[:len(reach)], confidence, support, ngram=n)
+
+    def _choose(self, s: TargetSession, h: HeadSession, head: HeadDraft, looked: HeadDraft | None) -> HeadDraft:
+        """The head's block or the prompt lookup's, whichever promises more accepted tokens (the
+        sum of its reach); a greedy round with trees offers the other as a branch (head_tree)."""
+        if looked is None:
+            return head
+        main, other = ((looked, head) if sum(accumulate(looked.confidence, mul)) > sum(accumulate(head.confidence, mul))
+                       else (head, looked))
+        if self.leaves and s.params.greedy:
+            main.other = other
+        return main
 
     def step(self, s: TargetSession, h: HeadSession, price: float = 0.0, cap: int = 0, k: int | None = None
              ) -> tuple[Step, list[int]]:
@@ -194,17 +207,18 @@ class HeadSpeculation:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.
             h.backoff = 0 if k else min(MAX_REST, 2 * h.backoff or 1)
             h.rest = h.backoff
-        proposed, parents, values = draft.tokens[:k], None, []
+        shape = HeadTree(draft.tokens[:k], None, k, {}, list(range(k)) if draft.ngram else [])
         if k and self.leaves and s.params.greedy:
-            proposed, parents, values = with_alternatives(draft, k, min(self.leaves, room - k),
-                                                          self._leaf_worth(draft, k, price), self.leaf_scale())
+            shape = head_tree(draft, k, room - k, self._node_worth(draft, k, price), self.leaf_scale(), self.leaves)
+        proposed = shape.tokens
         support = draft.support[:len(proposed)] if draft.support is not None else None
-        then = partial(self._judge, s, h, proposed, (parents, values), support, draft.ngram)
+        looked = draft.ngram or (draft.other.ngram if draft.other is not None else 0)
+        then = partial(self._judge, s, h, shape, support, looked)
         return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True,
-                    tree=None if parents is None else tree.fed(parents)), proposed
+                    tree=None if shape.parents is None else tree.fed(shape.parents)), proposed
 
-    def _leaf_worth(self, draft: HeadDraft, k: int, price: float):
-        """Whether a leaf taken this often pays for its position in the pass: it must beat the
+    def _node_worth(self, draft: HeadDraft, k: int, price: float):
+        """Whether a tree node taken this often pays for its position in the pass: it must beat the
         pass's price and what the position's time would have given (the round's expected tokens per
         ms of the head pass and a verify pass as long, by the calibrated curve), and a floor."""
         curve = self.engine.model.forward_ms
@@ -218,15 +232,16 @@ class HeadSpeculation:
         return worth
 
     def leaf_scale(self) -> float:
-        """How often the head's second choices were taken against its estimate (with_alternatives),
+        """How often the head's second choices were taken against its estimate (head_tree),
         over recent fed leaves, older ones weighing less; 1 before any, as if one leaf's estimate
         had been right."""
         return (self.leaves_taken + 1.0) / (self.leaves_estimated + 1.0)
 
-    def _judge(self, s: TargetSession, h: HeadSession, proposed: list[int], tree_of: tuple[list[int] | None, list[float]],
-               support, ngram: int, rows) -> VerdictResult:
+    def _judge(self, s: TargetSession, h: HeadSession, shape: HeadTree, support, looked: int, rows) -> VerdictResult:
+        """looked: the match length of a prompt lookup whose tokens the proposal carries (0: none)."""
         logits, features = rows
         vocab = self.engine.model.vocab_size
+        proposed = shape.tokens
 
         def q() -> torch.Tensor | None:
             if support is None:
@@ -236,20 +251,22 @@ class HeadSpeculation:
                 dense[i, ids] = probs
             return dense
 
-        parents, values = tree_of
-        verdict = self.engine.judge_fed(s, proposed, q, logits, parents)
-        if ngram and proposed:
-            h.lookups[ngram].add(logits.shape[0] - 1, verdict.accepted)
-        if parents is not None:       # the leaves follow the chain: a path through one ends there
-            chain = len(proposed) - len(values)
-            fed = values[:max(0, logits.shape[0] - 1 - chain)]
-            taken = bool(verdict.path) and verdict.path[-1] >= chain
-            self.leaves_estimated = LEAF_DECAY * self.leaves_estimated + sum(fed)
-            self.leaves_taken = LEAF_DECAY * self.leaves_taken + taken
-            metrics.TREE_ROUNDS.labels("branch" if taken else "line").inc()
+        verdict = self.engine.judge_fed(s, proposed, q, logits, shape.parents)
+        fed = logits.shape[0] - 1                 # the batcher may have cut the proposal, parents first
+        if looked:                                # how far the lookup's own tokens were accepted
+            mine = [proposed[i] for i in shape.lookup if i < fed]
+            if mine:
+                accepted = [proposed[i] for i in verdict.path]
+                h.lookups[looked].add(len(mine), next((i for i, (a, b) in enumerate(zip(mine, accepted)) if a != b),
+                                                      min(len(mine), len(accepted))))
+        if shape.parents is not None:
+            leaf = bool(verdict.path) and verdict.path[-1] in shape.leaves
+            self.leaves_estimated = LEAF_DECAY * self.leaves_estimated + sum(v for i, v in shape.leaves.items() if i < fed)
+            self.leaves_taken = LEAF_DECAY * self.leaves_taken + leaf
+            metrics.TREE_ROUNDS.labels("branch" if verdict.path and verdict.path[-1] >= shape.chain else "line").inc()
         # the committed positions' states: the root's and the accepted path's rows, in order
-        fed = [0, *(j + 1 for j in verdict.path)][:s.cache.length - h.known()]
-        h.held.append(features[fed].clone())
+        rows_kept = [0, *(j + 1 for j in verdict.path)][:s.cache.length - h.known()]
+        h.held.append(features[rows_kept].clone())
         if h.held_rows() >= HELD_ROWS:
             self._catch_up(h)
         h.proposal = None

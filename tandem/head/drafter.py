@@ -23,6 +23,7 @@ from operator import mul
 
 import torch
 
+from tandem.engine.kvpool import MAX_PROPOSAL
 from tandem.head.model import BlockHead
 from tandem.speculation import tree
 from tandem.speculation.drafting import RowDrafter
@@ -67,6 +68,9 @@ class HeadDraft:
     # head's first choice leaves (q2 / (1 - q1)), its estimate of the target's token there when the
     # first is rejected; (-1, 0.0) where there is none
     alternatives: list[tuple[int, float]] | None = None
+    # greedy, where asked for: the other source's proposal (a prompt lookup's beside the head's
+    # block, or the head's beside a lookup's that promised more), offered as a branch
+    other: HeadDraft | None = None
 
 
 class HeadDrafter:
@@ -150,32 +154,61 @@ class HeadDrafter:
         return HeadDraft(list(rows.tokens), confidence, rows.support, alternatives=alternatives)
 
 
-def with_alternatives(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int], bool], scale: float = 1.0
-                      ) -> tuple[list[int], list[int] | None, list[float]]:
-    """The proposal of a greedy round whose chain is the draft's first k tokens: the chain, and as
-    leaves the head's second choices at the chain's positions (a leaf at position j is a sibling of
-    the chain's token j), at most `most` of them, the likeliest first, each while `worth(value,
-    nodes so far)` says it pays. A leaf's value is the chance the target takes it: position j
-    reached (the chain's confidences before it), its chain token rejected, and the head's share for
-    its second choice times `scale` (how often such leaves were taken against that estimate).
-    Returns (tokens, parents, the leaves' values in order); parents None for a chain
-    (tandem.speculation.tree)."""
-    tokens = draft.tokens[:k]
-    if not draft.alternatives or most <= 0:
-        return tokens, None, []
-    reach = list(accumulate(draft.confidence[:k], mul, initial=1.0))     # [j]: position j reached
-    values = sorted(((min(1.0, reach[j] * (1.0 - draft.confidence[j]) * share * scale), j)
-                     for j, (alt, share) in enumerate(draft.alternatives[:k]) if alt >= 0), reverse=True)
-    leaves: list[tuple[int, float]] = []
-    for value, j in values[:most]:
-        if not worth(value, k + len(leaves)):
-            break
-        leaves.append((j, value))
-    if not leaves:
-        return tokens, None, []
-    leaves.sort()
-    return (tokens + [draft.alternatives[j][0] for j, _ in leaves], tree.chain(k) + [j - 1 for j, _ in leaves],
-            [v for _, v in leaves])
+@dataclass
+class HeadTree:
+    """A greedy round's proposal (tandem.speculation.tree): the draft's first `chain` tokens, then
+    the other source's branch (a line), then the leaves; parents None for a chain."""
+    tokens: list[int]
+    parents: list[int] | None
+    chain: int
+    leaves: dict[int, float]           # index -> the estimate that the target takes it
+    lookup: list[int]                  # the indices of a prompt lookup's tokens, in order
+
+
+def head_tree(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int], bool], scale: float = 1.0,
+              leaves: int = MAX_PROPOSAL) -> HeadTree:
+    """The proposal of a greedy round whose chain is the draft's first k tokens, with at most `most`
+    more nodes (of which at most `leaves` leaves), each while `worth(value, nodes so far)` says it
+    pays, value being the chance the target takes it:
+
+    - the other source's proposal (draft.other) as a branch where its tokens leave the chain's: a
+      node's value is that source's own reach there (a lookup's measured acceptance, the head's
+      confidences);
+    - as leaves, the head's second choices at the chain's positions (a leaf at position j is a
+      sibling of the chain's token j), the likeliest first: position j reached (the chain's
+      confidences before it), its chain token rejected, and the head's share for its second
+      choice times `scale` (how often such leaves were taken against that estimate)."""
+    tokens, parents = draft.tokens[:k], tree.chain(k)
+    lookup = list(range(k)) if draft.ngram else []
+    other, taken = draft.other, set()
+    if other is not None and k:
+        d = next((i for i, (a, b) in enumerate(zip(other.tokens, tokens)) if a != b), min(len(other.tokens), k))
+        parent = d - 1
+        for i, reach in enumerate(accumulate(other.confidence, mul)):
+            if i < d:
+                continue
+            if len(tokens) - k >= most or not worth(reach, len(tokens)):
+                break
+            tokens.append(other.tokens[i])
+            parents.append(parent)
+            parent = len(tokens) - 1
+        if len(tokens) > k:
+            taken.add((d - 1, other.tokens[d]))
+            if other.ngram:
+                lookup = list(range(d)) + list(range(k, len(tokens)))
+    chosen: dict[int, float] = {}
+    if draft.alternatives and k:
+        reach = list(accumulate(draft.confidence[:k], mul, initial=1.0))     # [j]: position j reached
+        values = sorted(((min(1.0, reach[j] * (1.0 - draft.confidence[j]) * share * scale), j)
+                         for j, (alt, share) in enumerate(draft.alternatives[:k])
+                         if alt >= 0 and (j - 1, alt) not in taken), reverse=True)
+        for value, j in values[:leaves]:
+            if len(tokens) - k >= most or not worth(value, len(tokens)):
+                break
+            chosen[len(tokens)] = value
+            tokens.append(draft.alternatives[j][0])
+            parents.append(j - 1)
+    return HeadTree(tokens, parents if len(tokens) > k else None, k, chosen, lookup)
 
 
 def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0, floor: float = 0.05) -> int:
