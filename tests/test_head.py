@@ -218,6 +218,52 @@ def test_greedy_trees_take_the_heads_second_choices_and_stay_the_targets_output(
     assert trees["rounds"] < chains["rounds"] * 0.9, seen
 
 
+def test_a_lookup_beside_the_heads_chain_goes_in_as_a_branch_and_the_output_stays_the_targets(
+        target, prompts, tmp_path, monkeypatch):
+    """A confident head whose first choices are wrong, and a prompt lookup (here: the target's own
+    continuation, promising less than the head) beside it: the lookup goes in as a branch off the
+    root, rounds go through it, its record counts what was taken, the head's context holds the
+    accepted path's states (checked_rounds), and the output is the target's."""
+    from tandem.service import metrics
+    from tandem.speculation.survival import Survival
+    model = target[1]
+    path = build_random_head(tmp_path / "branch.safetensors", target[0], seed=4, block_size=BLOCK, markov_rank=64)
+    params = SamplingParams(max_new_tokens=20)
+    refs = [reference(model, p, params) for p in prompts]
+    spec = table_head(target, path, [p[-1:] + r for p, r in zip(prompts, refs)], second=True, confidence=2.0)
+    seen: dict = {}
+    checked_rounds(spec, model, monkeypatch, seen)
+    monkeypatch.setattr(model, "forward_ms", [2.0 + 0.01 * i for i in range(17)])
+    current: dict = {}
+
+    def truth(s, h):
+        follow = current["ref"][len(s.tokens) - s.prompt_len:][:4]
+        if not follow:
+            return None
+        h.lookups.setdefault(3, Survival())
+        return HeadDraft(follow, [0.5] * len(follow), None, ngram=3)
+    monkeypatch.setattr(spec, "_lookup", truth)
+    through = metrics.TREE_ROUNDS.labels("branch")
+    before = through._value.get()
+    records = []
+    real = spec._judge
+
+    def judge(s, h, *args):
+        verdict = real(s, h, *args)
+        records.append(h.lookups[3].accepted[1])
+        return verdict
+    monkeypatch.setattr(spec, "_judge", judge)
+    accepted = 0
+    for prompt, ref in zip(prompts, refs):
+        current["ref"] = ref
+        out, _, a = speculate_head(VerifyEngine(model), spec, prompt, params)
+        assert out == ref, prompt
+        accepted += a
+    rounds = seen["rounds"]
+    assert through._value.get() - before > rounds / 4 and accepted > rounds, (accepted, rounds)
+    assert max(records) > 0                  # the lookup's record saw its tokens taken
+
+
 def test_leaves_are_the_likeliest_second_choices_that_pay():
     """head_tree: the chain, then second choices as leaves (a sibling of the chain's token at their
     position), likeliest first (reach x rejection x share), while they pay and room is left."""
