@@ -186,7 +186,8 @@ class HeadSpeculation:
         """The round's step, and the tokens it proposes: the drafted block cut to the confident
         part (or to `k` positions), to the request's cap and to the room left. A cut never looks
         at a position's own draw (the confidence of position j reads the tokens before it), so it
-        keeps rejection sampling exact; the guide needs no cut, the block was drawn under its mask."""
+        keeps rejection sampling exact; the guide needs no cut, the block was drawn under its mask.
+        Greedy, with trees on, the chain becomes a token tree (head_tree)."""
         draft = h.proposal or HeadDraft([], [])
         most = self.engine.max_proposal
         room = plan_k(cap or most, len(s.tokens), s.generated, s.params.max_new_tokens, self.engine.model.max_context,
