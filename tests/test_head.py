@@ -300,13 +300,13 @@ def test_a_prompt_lookup_goes_in_as_a_branch_where_it_leaves_the_heads_chain():
                       other=looked)
     t = head_tree(draft, 4, 16, lambda v, n: v > 0.1)
     assert (t.tokens, t.parents) == ([10, 11, 12, 13, 30, 31, 20, 21, 23], [-1, 0, 1, 2, 1, 4, -1, 0, 2])
-    assert t.chain == 4 and t.lookup == [0, 1, 4, 5] and set(t.leaves) == {6, 7, 8}
+    assert t.chain == 4 and t.lookup == [0, 1, 4, 5] and t.ngram == 3 and set(t.leaves) == {6, 7, 8}
     assert tree.problem(t.tokens, t.parents) is None
     # the head's block as the branch of a lookup's chain: no leaves (a lookup has no second choices)
     head = HeadDraft([10, 40, 41], [0.6, 0.5, 0.5])                                      # reach .6 .3 .15
     main = HeadDraft([10, 11, 30], [0.9, 0.9, 0.9], ngram=2, other=head)
     t = head_tree(main, 3, 16, lambda v, n: v > 0.1)
-    assert (t.tokens, t.parents, t.lookup, t.leaves) == ([10, 11, 30, 40, 41], [-1, 0, 1, 0, 3], [0, 1, 2], {})
+    assert (t.tokens, t.parents, t.lookup, t.ngram, t.leaves) == ([10, 11, 30, 40, 41], [-1, 0, 1, 0, 3], [0, 1, 2], 2, {})
     # a lookup that only repeats the chain adds nothing; room caps the branch
     same = HeadDraft([10, 11], [0.9, 0.9], ngram=1)
     assert head_tree(HeadDraft([10, 11, 12], [0.5] * 3, other=same), 3, 16, lambda v, n: True).parents is None

@@ -208,28 +208,25 @@ class HeadSpeculation:
             # Nothing worth proposing: rest the head for a while, longer each time in a row.
             h.backoff = 0 if k else min(MAX_REST, 2 * h.backoff or 1)
             h.rest = h.backoff
-        shape = HeadTree(draft.tokens[:k], None, k, {}, list(range(k)) if draft.ngram else [])
+        shape = HeadTree.of_chain(draft, k)
         if k and self.leaves and s.params.greedy:
             shape = head_tree(draft, k, room - k, self._node_worth(draft, k, price), self.leaf_scale(), self.leaves)
         proposed = shape.tokens
         support = draft.support[:len(proposed)] if draft.support is not None else None
-        looked = draft.ngram or (draft.other.ngram if draft.other is not None else 0)
-        then = partial(self._judge, s, h, shape, support, looked)
+        then = partial(self._judge, s, h, shape, support)
         return Step(s.cache, [s.tokens[-1], *proposed], None, then, least=1, returns=True, taps=True,
                     tree=None if shape.parents is None else tree.fed(shape.parents)), proposed
 
     def _node_worth(self, draft: HeadDraft, k: int, price: float):
-        """Whether a tree node taken this often pays for its position in the pass: it must beat the
-        pass's price and what the position's time would have given (the round's expected tokens per
-        ms of the head pass and a verify pass as long, by the calibrated curve), and a floor."""
+        """Whether a tree node taken this often pays for its position in the pass (TreeBudget.floor),
+        the session's tokens per second being the round's expected tokens over the head pass and a
+        verify pass as long as the tree so far, by the calibrated curve."""
         curve = self.engine.model.forward_ms
-        slope = position_ms(curve)
         expected = 1.0 + sum(accumulate(draft.confidence[:k], mul))
 
         def worth(value: float, nodes: int) -> bool:
-            seconds = self.draft_ms + (curve[min(nodes, len(curve) - 1)] if curve else 0.0)
-            own = expected * slope / seconds if seconds > 0 else 0.0
-            return value > max(TreeBudget.AT_LEAST, price, own)
+            ms = self.draft_ms + (curve[min(nodes, len(curve) - 1)] if curve else 0.0)
+            return value > TreeBudget.floor(price, curve, 1000 * expected / ms if ms > 0 else 0.0)
         return worth
 
     def leaf_scale(self) -> float:
@@ -238,8 +235,7 @@ class HeadSpeculation:
         had been right."""
         return (self.leaves_taken + 1.0) / (self.leaves_estimated + 1.0)
 
-    def _judge(self, s: TargetSession, h: HeadSession, shape: HeadTree, support, looked: int, rows) -> VerdictResult:
-        """looked: the match length of a prompt lookup whose tokens the proposal carries (0: none)."""
+    def _judge(self, s: TargetSession, h: HeadSession, shape: HeadTree, support, rows) -> VerdictResult:
         logits, features = rows
         vocab = self.engine.model.vocab_size
         proposed = shape.tokens
@@ -254,12 +250,11 @@ class HeadSpeculation:
 
         verdict = self.engine.judge_fed(s, proposed, q, logits, shape.parents)
         fed = logits.shape[0] - 1                 # the batcher may have cut the proposal, parents first
-        if looked:                                # how far the lookup's own tokens were accepted
-            mine = [proposed[i] for i in shape.lookup if i < fed]
-            if mine:
-                accepted = [proposed[i] for i in verdict.path]
-                h.lookups[looked].add(len(mine), next((i for i, (a, b) in enumerate(zip(mine, accepted)) if a != b),
-                                                      min(len(mine), len(accepted))))
+        mine = [proposed[i] for i in shape.lookup if i < fed]
+        if mine:                                  # how far the lookup's own tokens were accepted
+            accepted = [proposed[i] for i in verdict.path]
+            h.lookups[shape.ngram].add(len(mine), next((i for i, (a, b) in enumerate(zip(mine, accepted)) if a != b),
+                                                       min(len(mine), len(accepted))))
         if shape.parents is not None:
             leaf = bool(verdict.path) and verdict.path[-1] in shape.leaves
             self.leaves_estimated = LEAF_DECAY * self.leaves_estimated + sum(v for i, v in shape.leaves.items() if i < fed)

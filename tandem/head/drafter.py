@@ -163,6 +163,12 @@ class HeadTree:
     chain: int
     leaves: dict[int, float]           # index -> the estimate that the target takes it
     lookup: list[int]                  # the indices of a prompt lookup's tokens, in order
+    ngram: int = 0                     # that lookup's match length (0: none)
+
+    @classmethod
+    def of_chain(cls, draft: HeadDraft, k: int) -> HeadTree:
+        """The draft's first k tokens as a chain."""
+        return cls(draft.tokens[:k], None, k, {}, list(range(k)) if draft.ngram else [], draft.ngram)
 
 
 def head_tree(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int], bool], scale: float = 1.0,
@@ -179,7 +185,7 @@ def head_tree(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int],
       confidences before it), its chain token rejected, and the head's share for its second
       choice times `scale` (how often such leaves were taken against that estimate)."""
     tokens, parents = draft.tokens[:k], tree.chain(k)
-    lookup = list(range(k)) if draft.ngram else []
+    lookup, ngram = (list(range(k)), draft.ngram) if draft.ngram else ([], 0)
     other, taken = draft.other, set()
     if other is not None and k:
         d = next((i for i, (a, b) in enumerate(zip(other.tokens, tokens)) if a != b), min(len(other.tokens), k))
@@ -195,7 +201,7 @@ def head_tree(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int],
         if len(tokens) > k:
             taken.add((d - 1, other.tokens[d]))
             if other.ngram:
-                lookup = list(range(d)) + list(range(k, len(tokens)))
+                lookup, ngram = list(range(d)) + list(range(k, len(tokens))), other.ngram
     chosen: dict[int, float] = {}
     if draft.alternatives and k:
         reach = list(accumulate(draft.confidence[:k], mul, initial=1.0))     # [j]: position j reached
@@ -208,7 +214,7 @@ def head_tree(draft: HeadDraft, k: int, most: int, worth: Callable[[float, int],
             chosen[len(tokens)] = value
             tokens.append(draft.alternatives[j][0])
             parents.append(j - 1)
-    return HeadTree(tokens, parents if len(tokens) > k else None, k, chosen, lookup)
+    return HeadTree(tokens, parents if len(tokens) > k else None, k, chosen, lookup, ngram)
 
 
 def choose_k(confidence: list[float], pass_ms: list[float], head_ms: float = 0.0, floor: float = 0.05) -> int:

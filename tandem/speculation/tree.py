@@ -45,8 +45,13 @@ class TreeBudget:
         verify worker's pass time by length) times the tokens per second the session gets (the
         tokens that time would have given). Where a pass costs the same for any length (a GPU),
         trees widen; where each position costs (a CPU), only likely nodes go."""
-        own = position_ms(forward_ms) / 1000 * tokens_per_second
-        return cls(min(k or max_proposal, max_proposal, context_left - 1), branches, max(cls.AT_LEAST, price, own))
+        return cls(min(k or max_proposal, max_proposal, context_left - 1), branches,
+                   cls.floor(price, forward_ms, tokens_per_second))
+
+    @classmethod
+    def floor(cls, price: float, forward_ms: Sequence[float] = (), tokens_per_second: float = 0.0) -> float:
+        """How likely a node must be to be taken to pay for its position (see for_round)."""
+        return max(cls.AT_LEAST, price, position_ms(forward_ms) / 1000 * tokens_per_second)
 
 
 def chain(k: int) -> list[int]:
