@@ -1,4 +1,4 @@
-# Tandem: make setup | protos | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
+# Tandem: make setup | protos | kernels | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
 #         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision image deploy-check image-check clean
+.PHONY: run-head train-head setup protos kernels run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $@
 
-setup: $(VENV)/.installed protos
+setup: $(VENV)/.installed protos kernels
+
+# Tandem's CPU kernel for Linear layers (tandem/engine/rowgemm.py; needs g++); rebuilt only when
+# its source, flags or torch change. Without it the layers run on oneDNN's kernels, slower.
+kernels: $(VENV)/.installed
+	$(PY) -m tandem.engine.rowgemm
 
 $(GEN_STAMP): $(PROTOS) protos/generate.sh $(VENV)/.installed
 	protos/generate.sh $(PY)

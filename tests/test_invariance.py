@@ -16,7 +16,7 @@ import torch
 
 from draft_worker.drafters import NgramDrafter
 from draft_worker.model import ModelDrafter
-from tandem.engine import gemm
+from tandem.engine import gemm, rowgemm
 from tandem.engine.gemm import Int8Linear, PackedLinear
 from tandem.engine.modeling import CausalLM, load_tokenizer, resolve
 from tandem.speculation.sampling import SamplingParams
@@ -37,12 +37,18 @@ def rows_alone_equal(layer, x: torch.Tensor) -> bool:
         return all(torch.equal(layer(x[:n])[i], alone[i][0]) for n in (2, 3, 9, 33, 40, len(x)) for i in range(n))
 
 
+@pytest.mark.parametrize("kernel", ["tandem", "oneDNN"])
 @pytest.mark.parametrize("kind", ["packed float32", "packed bfloat16", "packed bfloat16 on float32 kernels", "int8",
                                   "int8 with 7-bit weights"])
-def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, monkeypatch):
-    """Calls of more than 32 rows included: where the CPU has AMX tiles, oneDNN takes other
-    bfloat16 kernels there (gemm.ROWS_PER_CALL). The ways a CPU without bfloat16 kernels or VNNI
-    computes are checked on any CPU."""
+def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, kernel, monkeypatch):
+    """On Tandem's kernel (tandem.engine.rowgemm) and on oneDNN's, where the first is not built.
+    Calls of more than 32 rows included: where the CPU has AMX tiles, oneDNN takes other bfloat16
+    kernels there (gemm.ROWS_PER_CALL). The ways a CPU without bfloat16 kernels or VNNI computes
+    are checked on any CPU."""
+    if kernel == "oneDNN":
+        monkeypatch.setattr(rowgemm, "available", lambda: False)
+    elif not rowgemm.available():
+        pytest.skip("Tandem's CPU kernel is not built, or this CPU cannot run it")
     if kind == "packed bfloat16 on float32 kernels":
         monkeypatch.setattr(gemm, "bfloat16_kernels", lambda: False)
     if kind == "int8 with 7-bit weights":
@@ -81,14 +87,13 @@ def test_the_start_up_probe_finds_rows_computed_alike(monkeypatch):
     taken over all the call's rows (dynamic quantization's) do."""
     model = CausalLM(PRESET, threads=2, dtype="float32")
     assert model.rows_alike and model.invariant
-    padded = gemm._rows
+    forward = PackedLinear.forward
 
-    def rounded_over_the_call(x):
-        rows = padded(x)
-        step = rows.abs().amax() / 127
-        return torch.round(rows / step) * step
+    def rounded_over_the_call(self, x):
+        step = x.abs().amax() / 127
+        return forward(self, torch.round(x / step) * step)
 
-    monkeypatch.setattr(gemm, "_rows", rounded_over_the_call)
+    monkeypatch.setattr(PackedLinear, "forward", rounded_over_the_call)
     assert not gemm.rows_computed_alone(model.model)
 
 

@@ -4,7 +4,9 @@ the other rows are, at every precision (batch invariance).
 A token's logits must not depend on which other rows share its forward pass (its own proposal,
 other sessions' tokens): otherwise speculation, batching and load change the output. So:
 
-- float32 and bfloat16 (`pack_linears`): oneDNN on the weight packed once at load time. oneDNN
+- float32 and bfloat16 (`pack_linears`): Tandem's own kernel (tandem.engine.rowgemm), invariant
+  by construction and about twice as fast as oneDNN for a decode step's one or two rows. Where it
+  is not built or the CPU cannot run it, oneDNN on the weight packed once at load time: oneDNN
   computes every row alike for any number of rows from two on; one row alone takes another path
   that sums in another order, so a one-row call is padded to two. Packing is also faster than
   torch's stock kernel, which repacks the weight on every call (docs/benchmarks.md, "Measurements
@@ -44,6 +46,8 @@ import logging
 import warnings
 
 import torch
+
+from tandem.engine import rowgemm
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +100,36 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, shared: bool = False, invariant: bool = True) -> None:
         """shared: the weight is also another module's (a tied output layer); keep referring to it.
         invariant: each row computed as if alone, at any number of rows (ROWS_PER_CALL).
-        A bfloat16 layer on a CPU without oneDNN's bfloat16 kernels (bfloat16_kernels) multiplies
-        its bfloat16 weights and inputs, widened exactly to float32, with the float32 kernel, and
-        rounds the result to bfloat16: the same bfloat16 model at float32's memory and speed."""
+        On Tandem's kernel (rowgemm, where available) a layer takes its inputs in float32, sums in
+        float32, and rounds the result to its dtype. On oneDNN's, a bfloat16 layer on a CPU
+        without oneDNN's bfloat16 kernels (bfloat16_kernels) multiplies its bfloat16 weights and
+        inputs, widened exactly to float32, with the float32 kernel, and rounds the result to
+        bfloat16: the same bfloat16 model at float32's memory and speed."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.weight = linear.weight if shared else None
         self.dtype = linear.weight.dtype
-        self.compute = torch.float32 if self.dtype == torch.bfloat16 and not bfloat16_kernels() else self.dtype
-        self.rows_per_call = ROWS_PER_CALL.get(self.compute) if invariant else None
+        self.own_kernel = rowgemm.available()
+        in_pairs = self.own_kernel and self.dtype == torch.bfloat16 and rowgemm.pairs()
+        if self.own_kernel:
+            self.compute = self.dtype if in_pairs else torch.float32
+        else:
+            self.compute = torch.float32 if self.dtype == torch.bfloat16 and not bfloat16_kernels() else self.dtype
+        self.rows_per_call = ROWS_PER_CALL.get(self.compute) if invariant and not self.own_kernel else None
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.compute))
+            weight = linear.weight.detach()
+            self.packed = (rowgemm.pack(weight, in_pairs) if self.own_kernel
+                           else torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute)))
             self.compute_bias = None if self.bias is None else self.bias.detach().to(self.compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute)
+        if self.own_kernel:
+            out = rowgemm.linear(flat, self.packed, self.out_features)
+            if self.compute_bias is not None:
+                out = out + self.compute_bias.float()
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         block = self.rows_per_call or len(flat)
         out = torch.cat([torch.ops.mkldnn._linear_pointwise(_rows(part), self.packed, self.compute_bias, "none", [],
                                                             "") for part in flat.split(block)])
@@ -119,10 +137,12 @@ class PackedLinear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """int8 weights with a float32 scale per output row, packed for oneDNN once; each call's rows
-    are quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero
-    point 128, oneDNN's layout), and scaled back to the activations' dtype. The weights take 7
-    bits where the CPU's pairs of products saturate (u8s8_pairs_saturate)."""
+    """int8 weights with a float32 scale per output row, packed once; each call's rows are
+    quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero point
+    128), and scaled back to the activations' dtype. The integer products run on Tandem's kernel
+    where the CPU has AVX512-VNNI (tandem.engine.rowgemm), else on oneDNN's; integer sums are exact,
+    so both give the same numbers. The weights take 7 bits where the CPU's pairs of products
+    saturate (u8s8_pairs_saturate)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -132,7 +152,8 @@ class Int8Linear(torch.nn.Module):
             top = 63 if u8s8_pairs_saturate() else 127
             self.scales = w.abs().amax(1).clamp(min=1e-12) / top
             int8 = torch.round(w / self.scales[:, None]).clamp_(-top, top).to(torch.int8)
-            self.packed = torch.ops.onednn.qlinear_prepack(int8, None)
+            self.own_kernel = rowgemm.vnni()
+            self.packed = rowgemm.pack_int8(int8) if self.own_kernel else torch.ops.onednn.qlinear_prepack(int8, None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.bias = linear.bias
 
@@ -140,8 +161,11 @@ class Int8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         scale = rows.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
         q = (torch.round(rows / scale) + 128).to(torch.uint8)
-        out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.scales, self.zero_points, None,
-                                                 1.0, 0, torch.float32, "none", [], "") * scale
+        if self.own_kernel:     # the same integer sums, scaled as oneDNN scales them: the same numbers
+            out = rowgemm.linear_int8(q, self.packed, self.out_features).float() * self.scales * scale
+        else:
+            out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.scales, self.zero_points, None,
+                                                     1.0, 0, torch.float32, "none", [], "") * scale
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tandem.engine import gemm
+from tandem.engine import gemm, rowgemm
 from tandem.engine.attention import ATTENTION, ForwardBatch
 from tandem.engine.kvpool import KVPool, SessionCache
 from tandem.speculation.tree import depths
@@ -50,7 +50,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     gemm.fuse_linears(model)
     if dtype == "int8":
-        gemm.quantize_linears(model, per_row=batch_invariant)
+        gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.vnni())
     return model
 
 

@@ -1,0 +1,341 @@
+// Tandem's CPU kernel for Linear layers (tandem/engine/rowgemm.py builds and loads it; the rules
+// are in that module's docstring).
+//
+// out[m, n] = sum over k of x[m, k] * w[n, k], summed by one fused multiply-add per k in the order
+// of k, one float32 accumulator per output, whatever the number of rows, the ISA or the thread
+// split. Weights are packed as tiles of NB outputs: [tiles, K, NB], k-major, so a step over k
+// reads NB consecutive weights. K is walked in blocks of KB (the accumulators go to memory and
+// back between blocks, which changes no bit), so a tile's block stays in cache while every row
+// block of a long input passes over it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t NB = 64;    // outputs per tile
+constexpr int64_t KB = 512;   // inputs per block of a tile
+
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+// Runs Tile::run<R> over m rows: MAX rows at a time, then the rest in one call.
+template <typename Tile, int R, typename W, typename X, typename C>
+void rest(int64_t left, const W* w, const X* x, int64_t ldx, C* c, int64_t ldc, int64_t kn, bool first) {
+  if constexpr (R > 0) {
+    if (left == R)
+      Tile::template run<R>(w, x, ldx, c, ldc, kn, first);
+    else
+      rest<Tile, R - 1>(left, w, x, ldx, c, ldc, kn, first);
+  }
+}
+
+template <typename Tile, int MAX, typename W, typename X, typename C>
+void by_rows(const W* w, const X* x, int64_t ldx, C* c, int64_t ldc, int64_t m, int64_t kn, bool first) {
+  int64_t r = 0;
+  for (; r + MAX <= m; r += MAX) Tile::template run<MAX>(w, x + r * ldx, ldx, c + r * ldc, ldc, kn, first);
+  rest<Tile, MAX - 1>(m - r, w, x + r * ldx, ldx, c + r * ldc, ldc, kn, first);
+}
+
+// ---- AVX-512: a tile's 64 outputs are 4 vectors; up to 6 rows at a time (24 accumulators) ----
+
+template <typename T> TARGET_AVX512 inline __m512 load16(const T* p);
+template <> TARGET_AVX512 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> TARGET_AVX512 inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+template <typename T, int R>
+TARGET_AVX512 void tile512(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t kn, bool first) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) acc[r][i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * i);
+  for (int64_t k = 0; k < kn; k++) {
+    const T* wk = w + k * NB;
+    __m512 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
+    for (int r = 0; r < R; r++) {
+      __m512 xk = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xk, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xk, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xk, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xk, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) _mm512_storeu_ps(c + r * ldc + 16 * i, acc[r][i]);
+}
+
+template <typename T> struct Fma512 {
+  template <int R, typename... A> static void run(A... a) { tile512<T, R>(a...); }
+};
+
+template <typename T>
+void rows512(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t m, int64_t kn, bool first) {
+  by_rows<Fma512<T>, 6>(w, x, ldx, c, ldc, m, kn, first);
+}
+
+// ---- AVX2: a tile is four quarters of 16 outputs (2 vectors); up to 4 rows at a time ----
+
+template <typename T> TARGET_AVX2 inline __m256 load8(const T* p);
+template <> TARGET_AVX2 inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> TARGET_AVX2 inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+template <typename T, int R>
+TARGET_AVX2 void quarter256(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t kn, bool first) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 2; i++) acc[r][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8 * i);
+  for (int64_t k = 0; k < kn; k++) {
+    const T* wk = w + k * NB;
+    __m256 w0 = load8(wk), w1 = load8(wk + 8);
+    for (int r = 0; r < R; r++) {
+      __m256 xk = _mm256_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 2; i++) _mm256_storeu_ps(c + r * ldc + 8 * i, acc[r][i]);
+}
+
+template <typename T> struct Fma256 {
+  template <int R, typename... A> static void run(A... a) { quarter256<T, R>(a...); }
+};
+
+template <typename T>
+void rows256(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t m, int64_t kn, bool first) {
+  for (int64_t q = 0; q < NB; q += 16) by_rows<Fma256<T>, 4>(w + q, x, ldx, c + q, ldc, m, kn, first);
+}
+
+// ---- AVX512-BF16: bfloat16 inputs and weights, a pair of k's per instruction ----
+// Weights packed as [tiles, K / 2, NB, 2]; each vdpbf16ps adds a pair of products (k, k + 1) to
+// an accumulator, pairs in the order of k.
+
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+template <int R>
+TARGET_BF16 void tile_dp(const uint16_t* w, const uint16_t* x, int64_t ldx, float* c, int64_t ldc, int64_t pairs,
+                         bool first) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) acc[r][i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * i);
+  for (int64_t p = 0; p < pairs; p++) {
+    const uint16_t* wp = w + p * 2 * NB;
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int r = 0; r < R; r++) {
+      int32_t two;
+      __builtin_memcpy(&two, x + r * ldx + 2 * p, sizeof two);
+      __m512bh xp = (__m512bh)_mm512_set1_epi32(two);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xp, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xp, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xp, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xp, w3);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) _mm512_storeu_ps(c + r * ldc + 16 * i, acc[r][i]);
+}
+
+struct PairsBf16 {
+  template <int R, typename... A> static void run(A... a) { tile_dp<R>(a...); }
+};
+
+// ---- AVX512-VNNI: uint8 inputs (int8 + 128) against int8 weights, four k's per instruction ----
+// Weights packed as [tiles, K / 4, NB, 4]; sums are int32, exact in any order. The caller takes
+// 128 * (the weights' sum) off each output.
+
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+template <int R>
+TARGET_VNNI void tile_vnni(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, int64_t ldc, int64_t quads,
+                           bool first) {
+  // each accumulator its own variable: GCC spills an array of integer vectors every step
+  __m512i a[6][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) a[r][i] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(c + r * ldc + 16 * i);
+  __m512i a00 = a[0][0], a01 = a[0][1], a02 = a[0][2], a03 = a[0][3];
+  __m512i a10 = R > 1 ? a[1][0] : a00, a11 = R > 1 ? a[1][1] : a00, a12 = R > 1 ? a[1][2] : a00, a13 = R > 1 ? a[1][3] : a00;
+  __m512i a20 = R > 2 ? a[2][0] : a00, a21 = R > 2 ? a[2][1] : a00, a22 = R > 2 ? a[2][2] : a00, a23 = R > 2 ? a[2][3] : a00;
+  __m512i a30 = R > 3 ? a[3][0] : a00, a31 = R > 3 ? a[3][1] : a00, a32 = R > 3 ? a[3][2] : a00, a33 = R > 3 ? a[3][3] : a00;
+  __m512i a40 = R > 4 ? a[4][0] : a00, a41 = R > 4 ? a[4][1] : a00, a42 = R > 4 ? a[4][2] : a00, a43 = R > 4 ? a[4][3] : a00;
+  __m512i a50 = R > 5 ? a[5][0] : a00, a51 = R > 5 ? a[5][1] : a00, a52 = R > 5 ? a[5][2] : a00, a53 = R > 5 ? a[5][3] : a00;
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
+  int64_t ld4 = ldx / 4;
+#define ROW(r, A0, A1, A2, A3)                              \
+  if (R > r) {                                              \
+    __m512i xq = _mm512_set1_epi32(x4[r * ld4 + q]);        \
+    A0 = _mm512_dpbusd_epi32(A0, xq, w0);                   \
+    A1 = _mm512_dpbusd_epi32(A1, xq, w1);                   \
+    A2 = _mm512_dpbusd_epi32(A2, xq, w2);                   \
+    A3 = _mm512_dpbusd_epi32(A3, xq, w3);                   \
+  }
+  for (int64_t q = 0; q < quads; q++) {
+    const int8_t* wq = w + q * 4 * NB;
+    __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
+    __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
+    ROW(0, a00, a01, a02, a03)
+    ROW(1, a10, a11, a12, a13)
+    ROW(2, a20, a21, a22, a23)
+    ROW(3, a30, a31, a32, a33)
+    ROW(4, a40, a41, a42, a43)
+    ROW(5, a50, a51, a52, a53)
+  }
+#undef ROW
+  __m512i out[6][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                       {a30, a31, a32, a33}, {a40, a41, a42, a43}, {a50, a51, a52, a53}};
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) _mm512_storeu_si512(c + r * ldc + 16 * i, out[r][i]);
+}
+
+struct QuadsInt8 {
+  template <int R, typename... A> static void run(A... a) { tile_vnni<R>(a...); }
+};
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// weight [N, K] int8 -> [tiles, K / 4, NB, 4], zero-padded to whole tiles and a K of fours
+at::Tensor pack_quads(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "rowgemm_pack_quads: an int8 weight");
+  int64_t n = weight.size(0), k = weight.size(1), tiles = (n + NB - 1) / NB, k4 = (k + 3) / 4 * 4;
+  auto padded = at::zeros({tiles * NB, k4}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({tiles, NB, k4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] uint8, packed by pack_quads -> [M, tiles * NB] int32: sum over k of x * w
+at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kByte && x.dim() == 2 && x.is_contiguous(),
+              "rowgemm_linear_quads: x is a contiguous uint8 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous(),
+              "rowgemm_linear_quads: not packed in fours");
+  TORCH_CHECK(has_vnni(), "rowgemm_linear_quads: this CPU has no AVX512-VNNI");
+  int64_t tiles = packed.size(0), k = 4 * packed.size(1), m = x.size(0);
+  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - 4, "rowgemm_linear_quads: x has ", x.size(1), " features, the weight ", k);
+  auto xs = x.size(1) == k ? x : at::constant_pad_nd(x, {0, k - x.size(1)});
+  auto c = at::empty({m, tiles * NB}, x.options().dtype(at::kInt));
+  if (m == 0) return c;
+  auto w = packed.data_ptr<int8_t>();
+  auto xp = xs.data_ptr<uint8_t>();
+  int32_t* cp = c.data_ptr<int32_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t k0 = 0; k0 < k; k0 += KB)
+        by_rows<QuadsInt8, 6>(w + (t * k + k0) * NB, xp + k0, k, cp + t * NB, tiles * NB, m, std::min(KB, k - k0) / 4, k0 == 0);
+  });
+  return c;
+}
+
+// ---- dispatch ----
+
+enum Isa : int64_t { NONE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
+
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return __builtin_cpu_supports("avx512bf16") ? AVX512_BF16 : AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  return NONE;
+}
+
+template <typename T>
+void run(Isa isa, const T* w, const float* x, float* c, int64_t m, int64_t k, int64_t tiles) {
+  auto rows = isa == AVX512 ? rows512<T> : rows256<T>;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t k0 = 0; k0 < k; k0 += KB)
+        rows(w + (t * k + k0) * NB, x + k0, k, c + t * NB, tiles * NB, m, std::min(KB, k - k0), k0 == 0);
+  });
+}
+
+// weight [N, K] bfloat16 -> [tiles, K / 2, NB, 2], zero-padded to whole tiles and an even K
+at::Tensor pack_pairs(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "rowgemm_pack_pairs: a bfloat16 weight");
+  int64_t n = weight.size(0), k = weight.size(1), tiles = (n + NB - 1) / NB, even = k + k % 2;
+  auto padded = at::zeros({tiles * NB, even}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({tiles, NB, even / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "rowgemm_pack: a weight is [out_features, in_features]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "rowgemm_pack: weights are float32 or bfloat16");
+  int64_t n = weight.size(0), k = weight.size(1), tiles = (n + NB - 1) / NB;
+  auto padded = at::zeros({tiles * NB, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({tiles, NB, k}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] bfloat16, packed by pack_pairs -> [M, tiles * NB] float32
+at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "rowgemm_linear_pairs: x is a contiguous bfloat16 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2 && packed.is_contiguous(),
+              "rowgemm_linear_pairs: not packed in pairs");
+  TORCH_CHECK(best_isa() == AVX512_BF16, "rowgemm_linear_pairs: this CPU has no AVX512-BF16");
+  int64_t tiles = packed.size(0), pairs = packed.size(1), m = x.size(0);
+  TORCH_CHECK(x.size(1) == 2 * pairs || x.size(1) == 2 * pairs - 1, "rowgemm_linear_pairs: x has ", x.size(1),
+              " features, the weight ", 2 * pairs);
+  auto xs = x.size(1) == 2 * pairs ? x : at::constant_pad_nd(x, {0, 1});
+  auto c = at::empty({m, tiles * NB}, x.options().dtype(at::kFloat));
+  if (m == 0) return c;
+  auto w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  float* cp = c.data_ptr<float>();
+  int64_t k = 2 * pairs;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t k0 = 0; k0 < k; k0 += KB)
+        by_rows<PairsBf16, 6>(w + (t * k + k0) * NB, xp + k0, k, cp + t * NB, tiles * NB, m, std::min(KB, k - k0) / 2, k0 == 0);
+  });
+  return c;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "rowgemm_linear: x is a contiguous float32 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous(), "rowgemm_linear: not packed");
+  int64_t tiles = packed.size(0), k = packed.size(1), m = x.size(0);
+  TORCH_CHECK(x.size(1) == k, "rowgemm_linear: x has ", x.size(1), " features, the weight ", k);
+  int64_t best = best_isa();
+  if (isa == NONE) isa = best;
+  TORCH_CHECK(isa != NONE && isa <= best, "rowgemm_linear: this CPU has neither AVX-512 nor AVX2 with FMA");
+  if (isa == AVX512_BF16) isa = AVX512;
+  auto c = at::empty({m, tiles * NB}, x.options());
+  if (m == 0) return c;
+  if (packed.scalar_type() == at::kFloat)
+    run<float>(Isa(isa), packed.data_ptr<float>(), x.data_ptr<float>(), c.data_ptr<float>(), m, k, tiles);
+  else if (packed.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(Isa(isa), packed.data_ptr<at::BFloat16>(), x.data_ptr<float>(), c.data_ptr<float>(), m, k,
+                      tiles);
+  else
+    TORCH_CHECK(false, "rowgemm_linear: weights are float32 or bfloat16");
+  return c;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("rowgemm_isa() -> int", [] { return best_isa(); });
+  m.def("rowgemm_pack(Tensor weight) -> Tensor", pack);
+  m.def("rowgemm_linear(Tensor x, Tensor packed, int isa=0) -> Tensor", linear);
+  m.def("rowgemm_pack_pairs(Tensor weight) -> Tensor", pack_pairs);
+  m.def("rowgemm_linear_pairs(Tensor x, Tensor packed) -> Tensor", linear_pairs);
+  m.def("rowgemm_vnni() -> bool", [] { return has_vnni(); });
+  m.def("rowgemm_pack_quads(Tensor weight) -> Tensor", pack_quads);
+  m.def("rowgemm_linear_quads(Tensor x, Tensor packed) -> Tensor", linear_quads);
+}

@@ -1,0 +1,144 @@
+"""Tandem's own CPU kernel for Linear layers (rowgemm.cpp beside this file).
+
+Every output is summed in one fixed order whatever the other rows of its call, however the call
+is split among threads: a row's result is the same alone or in company (batch invariance by
+construction, tests/test_rowgemm.py).
+
+- float32 and bfloat16 weights, float32 inputs: one fused multiply-add per input, in the order of
+  the inputs, into a float32 accumulator; AVX-512 and AVX2 give the same bits. bfloat16 weights
+  are widened exactly as they are read: the float32 kernel on those weights, at half the bytes.
+- bfloat16 weights and inputs where the CPU has AVX512-BF16 (`pairs`): a pair of products per
+  instruction, pairs in order, twice the arithmetic of widening, which bounds long inputs.
+- int8 weights against uint8 inputs (int8 + 128) where the CPU has AVX512-VNNI (`vnni`): exact
+  integer sums, so the same numbers as oneDNN's int8 kernel, which tandem.engine.gemm keeps
+  elsewhere.
+
+Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
+weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
+CPU's memory gives for the one or two rows of a decode step, while one row alone takes another
+path in oneDNN than rows in company (docs/benchmarks.md, "The target's precision"). For long
+inputs (prefills) both are bound by arithmetic and run alike.
+
+Built once by `python -m tandem.engine.rowgemm` (`make setup` runs it; it needs a C++ compiler) into
+a library named by the source's, the flags' and torch's versions; where it is not built, or the
+CPU has neither AVX-512 nor AVX2 with FMA, `available()` is False and tandem.engine.gemm keeps
+oneDNN's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowgemm.cpp")
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
+
+
+def library() -> Path:
+    """Where the built kernel for this source and this torch lives."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*FLAGS, torch.__version__)).encode()).hexdigest()[:12]
+    return SOURCE.with_name(f"_rowgemm-{digest}.so")
+
+
+def build() -> Path:
+    """Compiles rowgemm.cpp against the installed torch, unless already built; returns the library."""
+    out = library()
+    if out.exists():
+        return out
+    from torch.utils.cpp_extension import include_paths, library_paths
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    tmp = out.with_suffix(".tmp")
+    command = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               *[f"-I{p}" for p in include_paths()], str(SOURCE),
+               "-o", str(tmp), *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"]
+    subprocess.run(command, check=True)
+    tmp.rename(out)
+    for old in SOURCE.parent.glob("_rowgemm-*.so"):
+        if old != out:
+            old.unlink()
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built for this torch and this CPU can run it."""
+    path = library()
+    if not path.exists():
+        log.warning("tandem's CPU kernel is not built (python -m tandem.engine.rowgemm): Linear layers "
+                    "run on oneDNN's, about half as fast for decoding")
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:           # built against another torch or libraries this machine lacks
+        log.warning("tandem's CPU kernel does not load (%s): Linear layers run on oneDNN's", e)
+        return False
+    return torch.ops.tandem.rowgemm_isa() > 0
+
+
+def _ops():
+    if not available():
+        raise RuntimeError("tandem's CPU kernel is not available here (rowgemm.available())")
+    return torch.ops.tandem
+
+
+def isa() -> str:
+    """The instruction set the kernel runs on here: avx512-bf16, avx512, avx2 or none."""
+    return ("none", "avx2", "avx512", "avx512-bf16")[_ops().rowgemm_isa()] if available() else "none"
+
+
+def pairs() -> bool:
+    """Whether bfloat16 layers multiply bfloat16 inputs by pairs (AVX512-BF16): twice the
+    arithmetic of widening to float32, which bounds long inputs."""
+    return isa() == "avx512-bf16"
+
+
+def vnni() -> bool:
+    """Whether int8 layers run here (AVX512-VNNI: uint8 inputs against int8 weights, exact
+    integer sums)."""
+    return available() and _ops().rowgemm_vnni()
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] int8 -> (the kernel's layout, the int32 amount `linear_int8` takes off each
+    output: 128 times the output's weights' sum)."""
+    weight = weight.detach().contiguous()
+    return _ops().rowgemm_pack_quads(weight), 128 * weight.sum(1, dtype=torch.int32)
+
+
+def linear_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int) -> torch.Tensor:
+    """x [rows, in] uint8 (int8 + 128) -> [rows, out_features] int32: each output's exact sum of
+    its int8 inputs times its weights."""
+    weights, offsets = packed
+    return _ops().rowgemm_linear_quads(x.contiguous(), weights)[:, :out_features] - offsets
+
+
+def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:
+    """weight [out, in] (float32 or bfloat16) -> the kernel's layout, padded to whole tiles.
+    in_pairs: for `linear_pairs` (bfloat16 only)."""
+    weight = weight.detach().contiguous()
+    return _ops().rowgemm_pack_pairs(weight) if in_pairs else _ops().rowgemm_pack(weight)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, which: int = 0) -> torch.Tensor:
+    """x [rows, in] -> [rows, out_features] float32: float32 inputs on a `pack`ed weight (which: 0
+    the best ISA here, 1 AVX2, 2 AVX-512, for tests), bfloat16 inputs on one packed in pairs."""
+    if packed.dim() == 4:
+        out = _ops().rowgemm_linear_pairs(x.contiguous(), packed)
+    else:
+        out = _ops().rowgemm_linear(x.contiguous(), packed, which)
+    return out if out.shape[1] == out_features else out[:, :out_features]
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build()
+    log.info("built %s; this CPU runs it with %s", built.name, isa())
+    sys.exit(0)

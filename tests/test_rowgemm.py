@@ -1,0 +1,83 @@
+"""Tandem's CPU kernel (tandem.engine.rowgemm): right, against float64 sums; a row's result the same
+whatever the other rows of its call, on every ISA it runs on; bfloat16 and int8 layouts included.
+The layers built on it are tested as layers in tests/test_invariance.py."""
+
+import pytest
+import torch
+
+from tandem.engine import rowgemm
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not rowgemm.available(), reason="the kernel is not built, or this CPU cannot run it")]
+
+# rows: one (a decode step), the kernel's row blocks (6) and around them, a prefill's worth
+ROWS = (1, 2, 5, 6, 7, 13, 70)
+
+
+def alone(x: torch.Tensor, packed, out: int, **kw) -> torch.Tensor:
+    return torch.cat([rowgemm.linear(x[i:i + 1], packed, out, **kw) for i in range(len(x))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_weights_sum_right_and_each_row_as_if_alone(dtype):
+    """Output sizes off the tile (130) and inputs longer than a block of the kernel (1100 > 512)."""
+    torch.manual_seed(0)
+    w = torch.randn(130, 1100).to(dtype)
+    x = torch.randn(70, 1100)
+    packed = rowgemm.pack(w)
+    full = rowgemm.linear(x, packed, 130)
+    assert full.shape == (70, 130) and full.dtype == torch.float32
+    assert torch.allclose(full.double(), x.double() @ w.double().T, atol=1e-3)
+    lone = alone(x, packed, 130)
+    assert all(torch.equal(rowgemm.linear(x[:n], packed, 130), lone[:n]) for n in ROWS)
+
+
+def test_bfloat16_weights_are_the_float32_kernel_on_them_widened():
+    torch.manual_seed(1)
+    w, x = torch.randn(64, 300).bfloat16(), torch.randn(9, 300)
+    assert torch.equal(rowgemm.linear(x, rowgemm.pack(w), 64), rowgemm.linear(x, rowgemm.pack(w.float()), 64))
+
+
+@pytest.mark.skipif(rowgemm.isa() not in ("avx512", "avx512-bf16"), reason="needs AVX-512 beside AVX2")
+def test_avx2_and_avx512_give_the_same_bits():
+    """Each output is one multiply-add per input in order, whatever the vector width."""
+    torch.manual_seed(2)
+    w, x = torch.randn(200, 700), torch.randn(13, 700)
+    packed = rowgemm.pack(w)
+    assert torch.equal(rowgemm.linear(x, packed, 200, which=1), rowgemm.linear(x, packed, 200, which=2))
+
+
+@pytest.mark.skipif(not rowgemm.pairs(), reason="needs AVX512-BF16")
+def test_bfloat16_inputs_in_pairs():
+    """An odd input size is padded with a zero."""
+    torch.manual_seed(3)
+    w, x = torch.randn(130, 601).bfloat16(), torch.randn(40, 601).bfloat16()
+    packed = rowgemm.pack(w, in_pairs=True)
+    full = rowgemm.linear(x, packed, 130)
+    assert torch.allclose(full.double(), x.double() @ w.double().T, atol=1e-3)
+    lone = alone(x, packed, 130)
+    assert all(torch.equal(rowgemm.linear(x[:n], packed, 130), lone[:n]) for n in ROWS)
+
+
+@pytest.mark.skipif(not rowgemm.vnni(), reason="needs AVX512-VNNI")
+def test_int8_sums_are_exact():
+    """Inputs as uint8 (int8 + 128) against int8 weights, every extreme included; the sums are
+    exact integers, so they equal torch's int64 ones and oneDNN's."""
+    torch.manual_seed(4)
+    w = torch.randint(-127, 128, (130, 1030), dtype=torch.int8)
+    w[0] = 127
+    w[1] = -127
+    x = torch.randint(0, 256, (70, 1030), dtype=torch.uint8)
+    x[0] = 255
+    exact = (x.long() - 128) @ w.long().T
+    packed = rowgemm.pack_int8(w)
+    assert torch.equal(rowgemm.linear_int8(x, packed, 130).long(), exact)
+    assert torch.equal(rowgemm.linear_int8(x[:1], packed, 130).long(), exact[:1])
+
+
+def test_a_wrong_input_is_refused_with_its_reason():
+    packed = rowgemm.pack(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="x has 16 features, the weight 32"):
+        rowgemm.linear(torch.randn(2, 16), packed, 64)
+    with pytest.raises(RuntimeError, match="weights are float32 or bfloat16"):
+        rowgemm.pack(torch.zeros(4, 4, dtype=torch.float16))
