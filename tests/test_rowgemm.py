@@ -71,8 +71,30 @@ def test_int8_sums_are_exact():
     x[0] = 255
     exact = (x.long() - 128) @ w.long().T
     packed = rowgemm.pack_int8(w)
-    assert torch.equal(rowgemm.linear_int8(x, packed, 130).long(), exact)
-    assert torch.equal(rowgemm.linear_int8(x[:1], packed, 130).long(), exact[:1])
+    assert torch.equal(rowgemm.sums_int8(x, packed, 130).long(), exact)
+    assert torch.equal(rowgemm.sums_int8(x[:1], packed, 130).long(), exact[:1])
+
+
+@pytest.mark.skipif(not rowgemm.vnni(), reason="needs AVX512-VNNI")
+def test_the_fused_int8_layer_is_the_torch_formula_bit_for_bit():
+    """Quantizing each row, the sums and the scales in one call give what the same steps in torch
+    give (halves rounded to even included), on oneDNN's sums too."""
+    torch.manual_seed(5)
+    w = torch.randint(-127, 128, (130, 1030), dtype=torch.int8)
+    scales = torch.rand(130) / 100
+    x = torch.randn(70, 1030)
+    x[3, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 3.5, -3.5])   # row 3's scale is 1
+    x[4] = 0
+    scale = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    q = (torch.round(x / scale) + 128).to(torch.uint8)
+    packed = rowgemm.pack_int8(w)
+    by_torch = rowgemm.sums_int8(q, packed, 130).float() * scales * scale
+    onednn = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None), scales,
+                                                torch.zeros(130, dtype=torch.long), None, 1.0, 0, torch.float32,
+                                                "none", [], "") * scale
+    fused = rowgemm.linear_int8(x, packed, scales, 130)
+    assert torch.equal(fused, by_torch) and torch.equal(fused, onednn)
+    assert torch.equal(rowgemm.linear_int8(x[3:4], packed, scales, 130), fused[3:4])
 
 
 def test_a_wrong_input_is_refused_with_its_reason():

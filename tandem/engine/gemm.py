@@ -159,11 +159,11 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        scale = rows.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-        q = (torch.round(rows / scale) + 128).to(torch.uint8)
-        if self.own_kernel:     # the same integer sums, scaled as oneDNN scales them: the same numbers
-            out = rowgemm.linear_int8(q, self.packed, self.out_features).float() * self.scales * scale
+        if self.own_kernel:     # the same quantization and integer sums, scaled alike: the same numbers
+            out = rowgemm.linear_int8(rows, self.packed, self.scales, self.out_features)
         else:
+            scale = rows.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+            q = (torch.round(rows / scale) + 128).to(torch.uint8)
             out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.scales, self.zero_points, None,
                                                      1.0, 0, torch.float32, "none", [], "") * scale
         if self.bias is not None:

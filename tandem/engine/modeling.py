@@ -41,8 +41,9 @@ def dtype_problem(dtype: str, device: str) -> str | None:
 def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = True):
     """The model in `dtype` on `device`. int8 is every Linear layer's weights and inputs in int8,
     the rest in float32 (CPU only): with scales of their own rows when `batch_invariant`, so that
-    like every precision here a row's result does not depend on the other rows of its pass, else
-    with a scale per call (tandem.engine.gemm)."""
+    like every precision here a row's result does not depend on the other rows of its pass, and
+    where Tandem's int8 kernel runs (tandem.engine.rowgemm.vnni), which is faster; else with a
+    scale per call (tandem.engine.gemm)."""
     problem = dtype_problem(dtype, device)
     if problem:
         raise ValueError(problem)

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace {
@@ -239,6 +240,60 @@ at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed) {
   return c;
 }
 
+// Each row's scale: its largest magnitude over 127 (at least 1e-12 / 127); the row as uint8:
+// round(x / scale) to even, + 128. The same float operations as tandem.engine.gemm.Int8Linear's.
+TARGET_VNNI void quantize_row(const float* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
+  float top = 0.f;
+  for (int64_t i = 0; i < k; i++) top = std::max(top, std::fabs(x[i]));
+  float s = std::max(top, 1e-12f) / 127.f;
+  for (int64_t i = 0; i < k; i++) q[i] = static_cast<uint8_t>(std::nearbyint(x[i] / s) + 128.f);
+  for (int64_t i = k; i < k4; i++) q[i] = 128;
+  *scale = s;
+}
+
+// x [M, K] float32 -> [M, N] float32: each row quantized on a scale of its own, the exact int8
+// sums, less offsets[n] (128 times the weights' sum), times scales[n] (the weights'), times the
+// row's scale, in that order
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                       const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "rowgemm_linear_int8: x is a contiguous float32 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous(),
+              "rowgemm_linear_int8: not packed in fours");
+  TORCH_CHECK(has_vnni(), "rowgemm_linear_int8: this CPU has no AVX512-VNNI");
+  int64_t tiles = packed.size(0), k4 = 4 * packed.size(1), m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k <= k4 && k > k4 - 4, "rowgemm_linear_int8: x has ", k, " features, the weight ", k4);
+  TORCH_CHECK(n <= tiles * NB && offsets.numel() == n && scales.numel() == n, "rowgemm_linear_int8: ", n, " outputs");
+  auto q = at::empty({m, k4}, x.options().dtype(at::kByte));
+  auto row_scale = at::empty({m}, x.options());
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  auto c = at::empty({m, tiles * NB}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* rs = row_scale.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) quantize_row(xp + r * k, k, k4, qp + r * k4, rs + r);
+  });
+  auto w = packed.data_ptr<int8_t>();
+  int32_t* cp = c.data_ptr<int32_t>();
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t ldc = tiles * NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      for (int64_t k0 = 0; k0 < k4; k0 += KB)
+        by_rows<QuadsInt8, 6>(w + (t * k4 + k0) * NB, qp + k0, k4, cp + t * NB, ldc, m, std::min(KB, k4 - k0) / 4,
+                              k0 == 0);
+      for (int64_t r = 0; r < m; r++)
+        for (int64_t j = t * NB; j < std::min(n, (t + 1) * NB); j++)
+          op[r * n + j] = static_cast<float>(cp[r * ldc + j] - off[j]) * sc[j] * rs[r];
+    }
+  });
+  return out;
+}
+
 // ---- dispatch ----
 
 enum Isa : int64_t { NONE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
@@ -338,4 +393,5 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rowgemm_vnni() -> bool", [] { return has_vnni(); });
   m.def("rowgemm_pack_quads(Tensor weight) -> Tensor", pack_quads);
   m.def("rowgemm_linear_quads(Tensor x, Tensor packed) -> Tensor", linear_quads);
+  m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n) -> Tensor", linear_int8);
 }

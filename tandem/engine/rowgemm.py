@@ -113,11 +113,20 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _ops().rowgemm_pack_quads(weight), 128 * weight.sum(1, dtype=torch.int32)
 
 
-def linear_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int) -> torch.Tensor:
+def sums_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int) -> torch.Tensor:
     """x [rows, in] uint8 (int8 + 128) -> [rows, out_features] int32: each output's exact sum of
     its int8 inputs times its weights."""
     weights, offsets = packed
     return _ops().rowgemm_linear_quads(x.contiguous(), weights)[:, :out_features] - offsets
+
+
+def linear_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], scales: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+    """x [rows, in] float32 -> [rows, out_features] float32 in one call: each row quantized to int8
+    on a scale of its own (its largest magnitude / 127, rounded to even), the exact sums, times the
+    weights' `scales` and the row's scale, as tandem.engine.gemm.Int8Linear computes them in torch."""
+    weights, offsets = packed
+    return _ops().rowgemm_linear_int8(x.contiguous(), weights, offsets, scales, out_features)
 
 
 def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:
