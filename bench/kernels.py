@@ -75,14 +75,18 @@ def main() -> None:
             rows.append({"dtype": dtype, "kernel": kernel, **result})
             gc.collect()
             print(f"{dtype} {kernel}: {result}", flush=True)
+    # A worker's start-up calibration feeds a lone token padded to a longer input where that is
+    # faster (CausalLM.calibrate): what a decode step costs it is the cheapest of these passes.
+    for row in rows:
+        row["decode_ms"] = min(row["pass_ms"].values())
     header = ["precision", "kernel", f"prefill {a.context} ms", *[f"{n} new ms" for n in NEW],
-              "decode vs oneDNN", "prefill vs oneDNN"]
+              "decode step (padded as calibrated) ms", "decode vs oneDNN", "prefill vs oneDNN"]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
     for row in rows:
         base = next(r for r in rows if r["dtype"] == row["dtype"] and r["kernel"] == "oneDNN")
         cells = [row["dtype"], row["kernel"], f"{row['prefill_ms']:.0f}",
-                 *[f"{row['pass_ms'][n]:.1f}" for n in NEW],
-                 f"{base['pass_ms'][1] / row['pass_ms'][1]:.2f}x", f"{base['prefill_ms'] / row['prefill_ms']:.2f}x"]
+                 *[f"{row['pass_ms'][n]:.1f}" for n in NEW], f"{row['decode_ms']:.1f}",
+                 f"{base['decode_ms'] / row['decode_ms']:.2f}x", f"{base['prefill_ms'] / row['prefill_ms']:.2f}x"]
         print("| " + " | ".join(cells) + " |")
     write_json(a.out, {"machine": machine(), "model": a.model, "threads": a.threads, "context": a.context,
                        "isa": rowgemm.isa(), "rows": rows})
