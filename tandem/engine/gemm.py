@@ -5,29 +5,21 @@ A token's logits must not depend on which other rows share its forward pass (its
 other sessions' tokens): otherwise speculation, batching and load change the output. So:
 
 - float32 and bfloat16 (`pack_linears`): Tandem's own kernel (tandem.engine.rowgemm), invariant
-  by construction and about twice as fast as oneDNN for a decode step's one or two rows. Where it
-  is not built or the CPU cannot run it, oneDNN on the weight packed once at load time: oneDNN
-  computes every row alike for any number of rows from two on; one row alone takes another path
-  that sums in another order, so a one-row call is padded to two. Packing is also faster than
-  torch's stock kernel, which repacks the weight on every call (docs/benchmarks.md, "Measurements
-  behind the code's rules").
+  by construction. Where it is not built or the CPU cannot run it, oneDNN on the weight packed
+  once at load time, which computes every row alike from two rows on (one row alone sums in
+  another order, so a one-row call is padded to two), and is faster than torch's stock kernel.
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
-  int8 recipe does), multiplied in integers by oneDNN on the weight packed once (PyTorch's
-  `onednn.qlinear_pointwise`, with an input scale of 1: the integer sums come back unscaled but
-  for the weight's scale). Integer sums are exact in any order, and the scales are per row, so no
-  other row can change a row's result; `torch._int_mm` gives the same numbers, two to four times
-  slower for 2 to 17 rows here. On a CPU without VNNI, oneDNN adds pairs of u8 x s8 products in
-  16 bits, saturating (`u8s8_pairs_saturate`); there the weights are quantized to 7 bits, so that
-  a pair fits (PyTorch's x86 backend narrows the activations instead, "reduce_range"; per-row
-  activations carry the outliers, and losing their bit costs more: on SmolLM2's layers a 7-bit
-  weight is off by a little more than an 8-bit one, a 7-bit activation by twice as much).
-  `torch._int_mm` is exact at 8 bits there but takes ten to thirty times as long.
-  Weight-only int8 (`_weight_int8pack_mm`) is invariant too but costs four times a step for a
-  9-token pass here (docs/benchmarks.md, "The target's precision").
-- int8 where invariance is not needed (a draft, whose numbers change only speed;
-  `quantize_linears(per_row=False)`): torch.ao's dynamic quantization, which scales a call's inputs
-  over all its rows, and is faster for calls of 2 to 4 rows here.
+  int8 recipe does), multiplied in integers on Tandem's kernel where the CPU has AVX512-VNNI, else
+  by oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1). Integer sums
+  are exact in any order and the scales are per row, so no other row can change a row's result,
+  and both kernels give the same numbers. On a CPU without VNNI, oneDNN adds pairs of u8 x s8
+  products in 16 bits, saturating (`u8s8_pairs_saturate`); there the weights take 7 bits, so that
+  a pair fits (narrowing the activations instead, PyTorch's "reduce_range", costs more: per-row
+  activations carry the outliers). `torch._int_mm` and weight-only `_weight_int8pack_mm` are
+  invariant too, and slower (docs/benchmarks.md, "The target's precision").
+- int8 where invariance is not needed (a draft, whose numbers change only speed) and the CPU has
+  no VNNI: torch.ao's dynamic quantization, which scales a call's inputs over all its rows.
 
 Sibling layers that read the same input (an attention layer's q, k and v; an MLP's gate and up)
 are fused into one (`fuse_linears`) before any of this: one kernel call and one quantization of the
@@ -57,10 +49,8 @@ def available() -> bool:
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# The most rows oneDNN is given in one call by a batch-invariant layer, by dtype (none: any
-# number). Where the CPU has AMX tiles, bfloat16 calls of more than 32 rows take other kernels, each
-# summing in its own order; up to 32 every row is computed as if alone (tests/test_invariance.py).
-# It costs long inputs the AMX kernels' speed (docs/benchmarks.md, "The target's precision").
+# The most rows oneDNN is given in one call by a batch-invariant layer, by dtype: with AMX tiles,
+# bfloat16 calls of more than 32 rows take other kernels, each summing in its own order.
 ROWS_PER_CALL = {torch.bfloat16: 32}
 
 
@@ -100,11 +90,8 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, shared: bool = False, invariant: bool = True) -> None:
         """shared: the weight is also another module's (a tied output layer); keep referring to it.
         invariant: each row computed as if alone, at any number of rows (ROWS_PER_CALL).
-        On Tandem's kernel (rowgemm, where available) a layer takes its inputs in float32, sums in
-        float32, and rounds the result to its dtype. On oneDNN's, a bfloat16 layer on a CPU
-        without oneDNN's bfloat16 kernels (bfloat16_kernels) multiplies its bfloat16 weights and
-        inputs, widened exactly to float32, with the float32 kernel, and rounds the result to
-        bfloat16: the same bfloat16 model at float32's memory and speed."""
+        A layer sums in float32 and rounds the result to its dtype. On oneDNN's kernels without
+        bfloat16 ones (bfloat16_kernels), a bfloat16 layer runs on float32's, widened exactly."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
