@@ -103,3 +103,17 @@ def test_a_wrong_input_is_refused_with_its_reason():
         rowgemm.linear(torch.randn(2, 16), packed, 64)
     with pytest.raises(RuntimeError, match="weights are float32 or bfloat16"):
         rowgemm.pack(torch.zeros(4, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_on_the_kernel_keeps_its_shape_bias_and_dtype(dtype):
+    """gemm.PackedLinear on this kernel: outputs off the tile (130), a batch of sequences, a bias."""
+    from tandem.engine.gemm import PackedLinear
+    torch.manual_seed(6)
+    linear = torch.nn.Linear(100, 130).to(dtype)
+    layer = PackedLinear(linear)
+    assert layer.own_kernel
+    x = torch.randn(2, 3, 100).to(dtype)
+    out = layer(x)
+    assert out.shape == (2, 3, 130) and out.dtype == dtype
+    assert torch.allclose(out.float(), linear(x).float(), atol=0.03 if dtype == torch.bfloat16 else 1e-4)
