@@ -99,23 +99,22 @@ class PackedLinear(torch.nn.Module):
         self.dtype = linear.weight.dtype
         self.own_kernel = rowgemm.available()
         in_pairs = self.own_kernel and self.dtype == torch.bfloat16 and rowgemm.pairs()
-        if self.own_kernel:
-            self.compute = self.dtype if in_pairs else torch.float32
-        else:
-            self.compute = torch.float32 if self.dtype == torch.bfloat16 and not bfloat16_kernels() else self.dtype
+        widened = not in_pairs if self.own_kernel else self.dtype == torch.bfloat16 and not bfloat16_kernels()
+        self.compute = torch.float32 if widened else self.dtype
         self.rows_per_call = ROWS_PER_CALL.get(self.compute) if invariant and not self.own_kernel else None
         with torch.no_grad():
             weight = linear.weight.detach()
             self.packed = (rowgemm.pack(weight, in_pairs) if self.own_kernel
                            else torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute)))
-            self.compute_bias = None if self.bias is None else self.bias.detach().to(self.compute)
+            bias_dtype = torch.float32 if self.own_kernel else self.compute   # added to its float32 sums
+            self.compute_bias = None if self.bias is None else self.bias.detach().to(bias_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute)
         if self.own_kernel:
             out = rowgemm.linear(flat, self.packed, self.out_features)
             if self.compute_bias is not None:
-                out = out + self.compute_bias.float()
+                out = out + self.compute_bias
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         block = self.rows_per_call or len(flat)
         out = torch.cat([torch.ops.mkldnn._linear_pointwise(_rows(part), self.packed, self.compute_bias, "none", [],

@@ -43,6 +43,23 @@ void by_rows(const W* w, const X* x, int64_t ldx, C* c, int64_t ldc, int64_t m, 
   rest<Tile, MAX - 1>(m - r, w, x + r * ldx, ldx, c + r * ldc, ldc, kn, first);
 }
 
+// Every tile of outputs, split among threads: its k-blocks in order, each block's `rows` over all
+// m rows (`unit` inputs per step of `rows`: 1, a pair or four), then done(tile). Every layout
+// here starts a tile's block at (tile * k + k0) * NB.
+template <typename W, typename X, typename C, typename Rows, typename Done>
+void over_tiles(const W* w, const X* x, C* c, int64_t m, int64_t k, int64_t tiles, int64_t unit, Rows rows,
+                Done done) {
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      for (int64_t k0 = 0; k0 < k; k0 += KB)
+        rows(w + (t * k + k0) * NB, x + k0, k, c + t * NB, tiles * NB, m, std::min(KB, k - k0) / unit, k0 == 0);
+      done(t);
+    }
+  });
+}
+
+constexpr auto nothing = [](int64_t) {};
+
 // ---- AVX-512: a tile's 64 outputs are 4 vectors; up to 6 rows at a time (24 accumulators) ----
 
 template <typename T> TARGET_AVX512 inline __m512 load16(const T* p);
@@ -232,11 +249,7 @@ at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed) {
   auto w = packed.data_ptr<int8_t>();
   auto xp = xs.data_ptr<uint8_t>();
   int32_t* cp = c.data_ptr<int32_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t k0 = 0; k0 < k; k0 += KB)
-        by_rows<QuadsInt8, 6>(w + (t * k + k0) * NB, xp + k0, k, cp + t * NB, tiles * NB, m, std::min(KB, k - k0) / 4, k0 == 0);
-  });
+  over_tiles(w, xp, cp, m, k, tiles, 4, by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>, nothing);
   return c;
 }
 
@@ -281,15 +294,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* sc = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t ldc = tiles * NB;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      for (int64_t k0 = 0; k0 < k4; k0 += KB)
-        by_rows<QuadsInt8, 6>(w + (t * k4 + k0) * NB, qp + k0, k4, cp + t * NB, ldc, m, std::min(KB, k4 - k0) / 4,
-                              k0 == 0);
-      for (int64_t r = 0; r < m; r++)
-        for (int64_t j = t * NB; j < std::min(n, (t + 1) * NB); j++)
-          op[r * n + j] = static_cast<float>(cp[r * ldc + j] - off[j]) * sc[j] * rs[r];
-    }
+  over_tiles(w, qp, cp, m, k4, tiles, 4, by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>, [&](int64_t t) {
+    for (int64_t r = 0; r < m; r++)
+      for (int64_t j = t * NB; j < std::min(n, (t + 1) * NB); j++)
+        op[r * n + j] = static_cast<float>(cp[r * ldc + j] - off[j]) * sc[j] * rs[r];
   });
   return out;
 }
@@ -309,11 +317,7 @@ int64_t best_isa() {
 template <typename T>
 void run(Isa isa, const T* w, const float* x, float* c, int64_t m, int64_t k, int64_t tiles) {
   auto rows = isa == AVX512 ? rows512<T> : rows256<T>;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t k0 = 0; k0 < k; k0 += KB)
-        rows(w + (t * k + k0) * NB, x + k0, k, c + t * NB, tiles * NB, m, std::min(KB, k - k0), k0 == 0);
-  });
+  over_tiles(w, x, c, m, k, tiles, 1, rows, nothing);
 }
 
 // weight [N, K] bfloat16 -> [tiles, K / 2, NB, 2], zero-padded to whole tiles and an even K
@@ -352,11 +356,7 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& packed) {
   auto xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   float* cp = c.data_ptr<float>();
   int64_t k = 2 * pairs;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t k0 = 0; k0 < k; k0 += KB)
-        by_rows<PairsBf16, 6>(w + (t * k + k0) * NB, xp + k0, k, cp + t * NB, tiles * NB, m, std::min(KB, k - k0) / 2, k0 == 0);
-  });
+  over_tiles(w, xp, cp, m, k, tiles, 2, by_rows<PairsBf16, 6, uint16_t, uint16_t, float>, nothing);
   return c;
 }
 
