@@ -5,8 +5,9 @@ batch-invariant as a verify worker runs it): on Tandem's kernel (tandem.engine.r
 oneDNN's, as where the kernel is not built. Each times a prefill of --context tokens and then a
 pass of n = 1, 2, 5, 9, 16 new tokens after it (one decode step, and verify passes of 1, 4, 8, 15
 proposed tokens), in turn, keeping each size's median. Both load the same weights, so the two
-rows of a precision differ only in the kernel; their numbers are the same for int8 (exact sums)
-and differ in the last bits for float32 and bfloat16 (other orders of summation).
+rows of a precision differ only in the kernel; their numbers are the same for int8 (exact sums;
+except on a CPU without VNNI, where oneDNN's weights take 7 bits) and differ in the last bits for
+float32 and bfloat16 (other orders of summation).
 
     python -m bench.kernels                       # Qwen2.5-Coder-1.5B, float32, bfloat16, int8
     python -m bench.kernels --model smollm2-135m-instruct --dtypes float32

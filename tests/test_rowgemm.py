@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from tandem.engine import rowgemm
+from tandem.engine.gemm import u8s8_pairs_saturate
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not rowgemm.available(), reason="the kernel is not built, or this CPU cannot run it")]
 
-# rows: one (a decode step), the kernel's row blocks (6) and around them, a prefill's worth
+# rows: one (a decode step), the kernel's row blocks (AVX-512: 6, AVX2: 3) and around them, a prefill's worth
 ROWS = (1, 2, 5, 6, 7, 13, 70)
 
 
@@ -59,28 +60,37 @@ def test_bfloat16_inputs_in_pairs():
     assert all(torch.equal(rowgemm.linear(x[:n], packed, 130), lone[:n]) for n in ROWS)
 
 
-@pytest.mark.skipif(not rowgemm.vnni(), reason="needs AVX512-VNNI")
-def test_int8_sums_are_exact():
-    """Inputs as uint8 (int8 + 128) against int8 weights, every extreme included; the sums are
-    exact integers, so they equal torch's int64 ones and oneDNN's."""
+# the int8 ISAs this CPU runs (rowgemm.sums_int8's `which`): AVX2, and AVX512-VNNI where it has it
+INT8_ISAS = [1, 2][:("none", "avx2", "avx512-vnni").index(rowgemm.int8_isa())]
+
+
+@pytest.mark.skipif(not rowgemm.int8(), reason="needs AVX2 or AVX512-VNNI")
+@pytest.mark.parametrize("which", INT8_ISAS)
+def test_int8_sums_are_exact_on_every_isa(which):
+    """Inputs as uint8 (int8 + 128) against int8 weights, every extreme included, at every count of
+    rows around the row blocks (VNNI's 6, AVX2's 2); the sums are exact integers, so they equal
+    torch's int64 ones whatever the ISA."""
     torch.manual_seed(4)
     w = torch.randint(-127, 128, (130, 1030), dtype=torch.int8)
     w[0] = 127
     w[1] = -127
+    w[2] = -128
     x = torch.randint(0, 256, (70, 1030), dtype=torch.uint8)
     x[0] = 255
+    x[1] = 0
     exact = (x.long() - 128) @ w.long().T
     packed = rowgemm.pack_int8(w)
-    assert torch.equal(rowgemm.sums_int8(x, packed, 130).long(), exact)
-    assert torch.equal(rowgemm.sums_int8(x[:1], packed, 130).long(), exact[:1])
+    assert all(torch.equal(rowgemm.sums_int8(x[:n], packed, 130, which).long(), exact[:n]) for n in ROWS)
 
 
-@pytest.mark.skipif(not rowgemm.vnni(), reason="needs AVX512-VNNI")
+@pytest.mark.skipif(not rowgemm.int8(), reason="needs AVX2 or AVX512-VNNI")
 def test_the_fused_int8_layer_is_the_torch_formula_bit_for_bit():
     """Quantizing each row, the sums and the scales in one call give what the same steps in torch
-    give (halves rounded to even included), on oneDNN's sums too."""
+    give (halves rounded to even included), on oneDNN's sums too (exact with 7-bit weights where
+    its pairs of products saturate)."""
     torch.manual_seed(5)
-    w = torch.randint(-127, 128, (130, 1030), dtype=torch.int8)
+    top = 63 if u8s8_pairs_saturate() else 127
+    w = torch.randint(-top, top + 1, (130, 1030), dtype=torch.int8)
     scales = torch.rand(130) / 100
     x = torch.randn(70, 1030)
     x[3, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 3.5, -3.5])   # row 3's scale is 1
@@ -92,9 +102,10 @@ def test_the_fused_int8_layer_is_the_torch_formula_bit_for_bit():
     onednn = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None), scales,
                                                 torch.zeros(130, dtype=torch.long), None, 1.0, 0, torch.float32,
                                                 "none", [], "") * scale
-    fused = rowgemm.linear_int8(x, packed, scales, 130)
-    assert torch.equal(fused, by_torch) and torch.equal(fused, onednn)
-    assert torch.equal(rowgemm.linear_int8(x[3:4], packed, scales, 130), fused[3:4])
+    for which in INT8_ISAS:
+        fused = rowgemm.linear_int8(x, packed, scales, 130, which)
+        assert torch.equal(fused, by_torch) and torch.equal(fused, onednn)
+        assert torch.equal(rowgemm.linear_int8(x[3:4], packed, scales, 130, which), fused[3:4])
 
 
 def test_a_wrong_input_is_refused_with_its_reason():

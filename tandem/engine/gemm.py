@@ -10,16 +10,16 @@ other sessions' tokens): otherwise speculation, batching and load change the out
   another order, so a one-row call is padded to two), and is faster than torch's stock kernel.
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
-  int8 recipe does), multiplied in integers on Tandem's kernel where the CPU has AVX512-VNNI, else
-  by oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1). Integer sums
-  are exact in any order and the scales are per row, so no other row can change a row's result,
-  and both kernels give the same numbers. On a CPU without VNNI, oneDNN adds pairs of u8 x s8
-  products in 16 bits, saturating (`u8s8_pairs_saturate`); there the weights take 7 bits, so that
-  a pair fits (narrowing the activations instead, PyTorch's "reduce_range", costs more: per-row
-  activations carry the outliers). `torch._int_mm` and weight-only `_weight_int8pack_mm` are
+  int8 recipe does), multiplied in integers on Tandem's kernel where the CPU has AVX512-VNNI or
+  AVX2, else by oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1).
+  Integer sums are exact in any order and the scales are per row, so no other row can change a
+  row's result, and both kernels give the same numbers. oneDNN without VNNI adds pairs of u8 x s8
+  products in 16 bits, saturating (`u8s8_pairs_saturate`); on its kernel the weights then take 7
+  bits, so that a pair fits (narrowing the activations instead, PyTorch's "reduce_range", costs
+  more: per-row activations carry the outliers). `torch._int_mm` and weight-only `_weight_int8pack_mm` are
   invariant too, and slower (docs/benchmarks.md, "The target's precision").
-- int8 where invariance is not needed (a draft, whose numbers change only speed) and the CPU has
-  no VNNI: torch.ao's dynamic quantization, which scales a call's inputs over all its rows.
+- int8 where invariance is not needed (a draft, whose numbers change only speed) and Tandem's
+  int8 kernel does not run: torch.ao's dynamic quantization, which scales a call's inputs over all its rows.
 
 Sibling layers that read the same input (an attention layer's q, k and v; an MLP's gate and up)
 are fused into one (`fuse_linears`) before any of this: one kernel call and one quantization of the
@@ -126,8 +126,8 @@ class Int8Linear(torch.nn.Module):
     """int8 weights with a float32 scale per output row, packed once; each call's rows are
     quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero point
     128), and scaled back to the activations' dtype. The integer products run on Tandem's kernel
-    where the CPU has AVX512-VNNI (tandem.engine.rowgemm), else on oneDNN's; integer sums are exact,
-    so both give the same numbers. The weights take 7 bits where the CPU's pairs of products
+    where it runs int8 (tandem.engine.rowgemm.int8), else on oneDNN's; integer sums are exact, so
+    both give the same numbers. On oneDNN's, the weights take 7 bits where its pairs of products
     saturate (u8s8_pairs_saturate)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -135,10 +135,10 @@ class Int8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             w = linear.weight.detach().float()
-            top = 63 if u8s8_pairs_saturate() else 127
+            self.own_kernel = rowgemm.int8()
+            top = 63 if not self.own_kernel and u8s8_pairs_saturate() else 127
             self.scales = w.abs().amax(1).clamp(min=1e-12) / top
             int8 = torch.round(w / self.scales[:, None]).clamp_(-top, top).to(torch.int8)
-            self.own_kernel = rowgemm.vnni()
             self.packed = rowgemm.pack_int8(int8) if self.own_kernel else torch.ops.onednn.qlinear_prepack(int8, None)
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.bias = linear.bias
@@ -290,8 +290,9 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True) -> int:
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
             torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         return len(swaps)
-    if swaps and u8s8_pairs_saturate():
-        log.warning("this CPU's int8 kernel saturates sums of 8-bit products (no VNNI): int8 weights take 7 bits")
+    if swaps and not rowgemm.int8() and u8s8_pairs_saturate():
+        log.warning("oneDNN's int8 kernel saturates sums of 8-bit products on this CPU (no VNNI), and "
+                    "Tandem's does not run here: int8 weights take 7 bits")
     for parent, name, child in swaps:
         setattr(parent, name, Int8Linear(child))
     if swaps:

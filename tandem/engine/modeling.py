@@ -42,7 +42,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     """The model in `dtype` on `device`. int8 is every Linear layer's weights and inputs in int8,
     the rest in float32 (CPU only): with scales of their own rows when `batch_invariant`, so that
     like every precision here a row's result does not depend on the other rows of its pass, and
-    where Tandem's int8 kernel runs (tandem.engine.rowgemm.vnni), which is faster; else with a
+    where Tandem's int8 kernel runs (tandem.engine.rowgemm.int8), which is faster; else with a
     scale per call (tandem.engine.gemm)."""
     problem = dtype_problem(dtype, device)
     if problem:
@@ -51,7 +51,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     gemm.fuse_linears(model)
     if dtype == "int8":
-        gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.vnni())
+        gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.int8())
     return model
 
 

@@ -98,7 +98,13 @@ void rows512(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int
   by_rows<Fma512<T>, 6>(w, x, ldx, c, ldc, m, kn, first);
 }
 
-// ---- AVX2: a tile is four quarters of 16 outputs (2 vectors); up to 4 rows at a time ----
+// ---- AVX2: a whole tile (8 vectors) a row at a time, or halves of it up to 3 rows at a time ----
+// AVX2's 16 registers hold the accumulators of one row for a whole tile, or of 3 rows for half of
+// it. A pass over part of a tile reads part of each 256-byte run of its weights, which streams
+// from memory slower than the whole tile read in order; from SHARED_FROM rows on, using each
+// weight read for 3 rows wins (docs/benchmarks.md, "Tandem's own CPU kernel"). Each output is
+// summed alike either way. The int8 kernel below switches at the same count of rows.
+constexpr int64_t SHARED_FROM = 3;
 
 template <typename T> TARGET_AVX2 inline __m256 load8(const T* p);
 template <> TARGET_AVX2 inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
@@ -107,31 +113,34 @@ template <> TARGET_AVX2 inline __m256 load8<at::BFloat16>(const at::BFloat16* p)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-template <typename T, int R>
-TARGET_AVX2 void quarter256(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t kn, bool first) {
-  __m256 acc[R][2];
+// R rows over V vectors (8 V outputs) of a tile
+template <typename T, int R, int V>
+TARGET_AVX2 void part256(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t kn, bool first) {
+  __m256 acc[R][V];
   for (int r = 0; r < R; r++)
-    for (int i = 0; i < 2; i++) acc[r][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8 * i);
+    for (int i = 0; i < V; i++) acc[r][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8 * i);
   for (int64_t k = 0; k < kn; k++) {
     const T* wk = w + k * NB;
-    __m256 w0 = load8(wk), w1 = load8(wk + 8);
-    for (int r = 0; r < R; r++) {
-      __m256 xk = _mm256_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+    for (int i = 0; i < V; i++) {
+      __m256 wi = load8(wk + 8 * i);
+      for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + k]), wi, acc[r][i]);
     }
   }
   for (int r = 0; r < R; r++)
-    for (int i = 0; i < 2; i++) _mm256_storeu_ps(c + r * ldc + 8 * i, acc[r][i]);
+    for (int i = 0; i < V; i++) _mm256_storeu_ps(c + r * ldc + 8 * i, acc[r][i]);
 }
 
-template <typename T> struct Fma256 {
-  template <int R, typename... A> static void run(A... a) { quarter256<T, R>(a...); }
+template <typename T, int V> struct Fma256 {
+  template <int R, typename... A> static void run(A... a) { part256<T, R, V>(a...); }
 };
 
 template <typename T>
 void rows256(const T* w, const float* x, int64_t ldx, float* c, int64_t ldc, int64_t m, int64_t kn, bool first) {
-  for (int64_t q = 0; q < NB; q += 16) by_rows<Fma256<T>, 4>(w + q, x, ldx, c + q, ldc, m, kn, first);
+  if (m < SHARED_FROM) {
+    by_rows<Fma256<T, 8>, 1>(w, x, ldx, c, ldc, m, kn, first);
+    return;
+  }
+  for (int64_t h = 0; h < NB; h += 32) by_rows<Fma256<T, 4>, 3>(w + h, x, ldx, c + h, ldc, m, kn, first);
 }
 
 // ---- AVX512-BF16: bfloat16 inputs and weights, a pair of k's per instruction ----
@@ -168,9 +177,11 @@ struct PairsBf16 {
   template <int R, typename... A> static void run(A... a) { tile_dp<R>(a...); }
 };
 
-// ---- AVX512-VNNI: uint8 inputs (int8 + 128) against int8 weights, four k's per instruction ----
-// Weights packed as [tiles, K / 4, NB, 4]; sums are int32, exact in any order. The caller takes
-// 128 * (the weights' sum) off each output.
+// ---- int8: uint8 inputs (int8 + 128) against int8 weights ----
+// Weights packed as [tiles, K / 4, NB, 4]; sums are int32, exact in any order, so every ISA gives
+// the same numbers. The caller takes 128 * (the weights' sum) off each output.
+
+// AVX512-VNNI: four k's of an output per instruction.
 
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -219,10 +230,73 @@ struct QuadsInt8 {
   template <int R, typename... A> static void run(A... a) { tile_vnni<R>(a...); }
 };
 
+// AVX2: both sides widened to int16; each vpmaddwd adds the products of two k's of an output, so
+// an accumulator holds two partial sums for each of four outputs, added together at the end. H
+// quarters of a tile (16 outputs each) at a time, R rows (4 H R accumulators: the whole tile's
+// 16 spill a few, which still beats the quarters' strided reads for a row alone).
+template <int R, int H>
+TARGET_AVX2 void part_int8(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, int64_t ldc, int64_t quads,
+                           bool first) {
+  __m256i acc[R][4 * H];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4 * H; i++) acc[r][i] = _mm256_setzero_si256();
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
+  int64_t ld4 = ldx / 4;
+  for (int64_t q = 0; q < quads; q++) {
+    const int8_t* wq = w + q * 4 * NB;
+    __m256i xq[R];
+    for (int r = 0; r < R; r++) xq[r] = _mm256_cvtepu8_epi16(_mm_set1_epi32(x4[r * ld4 + q]));
+    for (int i = 0; i < 4 * H; i++) {
+      __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16 * i)));
+      for (int r = 0; r < R; r++) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(wi, xq[r]));
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2 * H; h++) {
+      // hadd leaves outputs (0, 1, 4, 5 | 2, 3, 6, 7) of the eight; the permute puts them in order
+      __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
+      __m256i* out = reinterpret_cast<__m256i*>(c + r * ldc + 8 * h);
+      if (!first) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(out));
+      _mm256_storeu_si256(out, sums);
+    }
+}
+
+template <int H> struct PartInt8 {
+  template <int R, typename... A> static void run(A... a) { part_int8<R, H>(a...); }
+};
+
+// As for floats: a row at a time over a whole tile below SHARED_FROM rows, else quarters, 3 rows at a time.
+void rows_int8_avx2(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, int64_t ldc, int64_t m,
+                    int64_t quads, bool first) {
+  if (m < SHARED_FROM) {
+    by_rows<PartInt8<4>, 1>(w, x, ldx, c, ldc, m, quads, first);
+    return;
+  }
+  for (int64_t q = 0; q < NB; q += 16) by_rows<PartInt8<1>, 3>(w + 4 * q, x, ldx, c + q, ldc, m, quads, first);
+}
+
 bool has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+enum Int8Isa : int64_t { INT8_NONE = 0, INT8_AVX2 = 1, INT8_VNNI = 2 };
+
+int64_t best_int8() {
+  __builtin_cpu_init();
+  if (has_vnni()) return INT8_VNNI;
+  return __builtin_cpu_supports("avx2") ? INT8_AVX2 : INT8_NONE;
+}
+
+// The row blocks of the int8 kernel for `which` (0: the best here), checked against this CPU.
+using Int8Rows = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*, int64_t, int64_t, int64_t, bool);
+Int8Rows int8_rows(int64_t which, const char* op) {
+  int64_t best = best_int8();
+  if (which == INT8_NONE) which = best;
+  TORCH_CHECK(which != INT8_NONE && which <= best, op, ": this CPU has neither AVX512-VNNI nor AVX2");
+  if (which == INT8_VNNI) return by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>;
+  return rows_int8_avx2;
 }
 
 // weight [N, K] int8 -> [tiles, K / 4, NB, 4], zero-padded to whole tiles and a K of fours
@@ -235,12 +309,12 @@ at::Tensor pack_quads(const at::Tensor& weight) {
 }
 
 // x [M, K] uint8, packed by pack_quads -> [M, tiles * NB] int32: sum over k of x * w
-at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed, int64_t which) {
   TORCH_CHECK(x.scalar_type() == at::kByte && x.dim() == 2 && x.is_contiguous(),
               "rowgemm_linear_quads: x is a contiguous uint8 [rows, in_features]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous(),
               "rowgemm_linear_quads: not packed in fours");
-  TORCH_CHECK(has_vnni(), "rowgemm_linear_quads: this CPU has no AVX512-VNNI");
+  auto rows = int8_rows(which, "rowgemm_linear_quads");
   int64_t tiles = packed.size(0), k = 4 * packed.size(1), m = x.size(0);
   TORCH_CHECK(x.size(1) <= k && x.size(1) > k - 4, "rowgemm_linear_quads: x has ", x.size(1), " features, the weight ", k);
   auto xs = x.size(1) == k ? x : at::constant_pad_nd(x, {0, k - x.size(1)});
@@ -249,13 +323,13 @@ at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed) {
   auto w = packed.data_ptr<int8_t>();
   auto xp = xs.data_ptr<uint8_t>();
   int32_t* cp = c.data_ptr<int32_t>();
-  over_tiles(w, xp, cp, m, k, tiles, 4, by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>, nothing);
+  over_tiles(w, xp, cp, m, k, tiles, 4, rows, nothing);
   return c;
 }
 
 // Each row's scale: its largest magnitude over 127 (at least 1e-12 / 127); the row as uint8:
 // round(x / scale) to even, + 128. The same float operations as tandem.engine.gemm.Int8Linear's.
-TARGET_VNNI void quantize_row(const float* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
+void quantize_row(const float* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
   float top = 0.f;
   for (int64_t i = 0; i < k; i++) top = std::max(top, std::fabs(x[i]));
   float s = std::max(top, 1e-12f) / 127.f;
@@ -268,12 +342,12 @@ TARGET_VNNI void quantize_row(const float* x, int64_t k, int64_t k4, uint8_t* q,
 // sums, less offsets[n] (128 times the weights' sum), times scales[n] (the weights'), times the
 // row's scale, in that order
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
-                       const at::Tensor& scales, int64_t n) {
+                       const at::Tensor& scales, int64_t n, int64_t which) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "rowgemm_linear_int8: x is a contiguous float32 [rows, in_features]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous(),
               "rowgemm_linear_int8: not packed in fours");
-  TORCH_CHECK(has_vnni(), "rowgemm_linear_int8: this CPU has no AVX512-VNNI");
+  auto rows = int8_rows(which, "rowgemm_linear_int8");
   int64_t tiles = packed.size(0), k4 = 4 * packed.size(1), m = x.size(0), k = x.size(1);
   TORCH_CHECK(k <= k4 && k > k4 - 4, "rowgemm_linear_int8: x has ", k, " features, the weight ", k4);
   TORCH_CHECK(n <= tiles * NB && offsets.numel() == n && scales.numel() == n, "rowgemm_linear_int8: ", n, " outputs");
@@ -294,7 +368,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* sc = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t ldc = tiles * NB;
-  over_tiles(w, qp, cp, m, k4, tiles, 4, by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>, [&](int64_t t) {
+  over_tiles(w, qp, cp, m, k4, tiles, 4, rows, [&](int64_t t) {
     for (int64_t r = 0; r < m; r++)
       for (int64_t j = t * NB; j < std::min(n, (t + 1) * NB); j++)
         op[r * n + j] = static_cast<float>(cp[r * ldc + j] - off[j]) * sc[j] * rs[r];
@@ -390,8 +464,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rowgemm_linear(Tensor x, Tensor packed, int isa=0) -> Tensor", linear);
   m.def("rowgemm_pack_pairs(Tensor weight) -> Tensor", pack_pairs);
   m.def("rowgemm_linear_pairs(Tensor x, Tensor packed) -> Tensor", linear_pairs);
-  m.def("rowgemm_vnni() -> bool", [] { return has_vnni(); });
+  m.def("rowgemm_int8_isa() -> int", [] { return best_int8(); });
   m.def("rowgemm_pack_quads(Tensor weight) -> Tensor", pack_quads);
-  m.def("rowgemm_linear_quads(Tensor x, Tensor packed) -> Tensor", linear_quads);
-  m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n) -> Tensor", linear_int8);
+  m.def("rowgemm_linear_quads(Tensor x, Tensor packed, int which=0) -> Tensor", linear_quads);
+  m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
+        linear_int8);
 }

@@ -9,9 +9,9 @@ construction, tests/test_rowgemm.py).
   are widened exactly as they are read: the float32 kernel on those weights, at half the bytes.
 - bfloat16 weights and inputs where the CPU has AVX512-BF16 (`pairs`): a pair of products per
   instruction, pairs in order, twice the arithmetic of widening, which bounds long inputs.
-- int8 weights against uint8 inputs (int8 + 128) where the CPU has AVX512-VNNI (`vnni`): exact
-  integer sums, so the same numbers as oneDNN's int8 kernel, which tandem.engine.gemm keeps
-  elsewhere.
+- int8 weights against uint8 inputs (int8 + 128) on AVX512-VNNI or AVX2 (`int8`): exact integer
+  sums, so every ISA gives the same numbers, and so does oneDNN's int8 kernel where its sums are
+  exact (tandem.engine.gemm keeps it on CPUs with neither).
 
 Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
@@ -100,10 +100,15 @@ def pairs() -> bool:
     return isa() == "avx512-bf16"
 
 
-def vnni() -> bool:
-    """Whether int8 layers run here (AVX512-VNNI: uint8 inputs against int8 weights, exact
-    integer sums)."""
-    return available() and _ops().rowgemm_vnni()
+def int8() -> bool:
+    """Whether int8 layers run here (uint8 inputs against int8 weights, exact integer sums, on
+    AVX512-VNNI or AVX2)."""
+    return int8_isa() != "none"
+
+
+def int8_isa() -> str:
+    """The instruction set int8 layers run on here: avx512-vnni, avx2 or none."""
+    return ("none", "avx2", "avx512-vnni")[_ops().rowgemm_int8_isa()] if available() else "none"
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,20 +118,21 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _ops().rowgemm_pack_quads(weight), 128 * weight.sum(1, dtype=torch.int32)
 
 
-def sums_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int) -> torch.Tensor:
+def sums_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int,
+              which: int = 0) -> torch.Tensor:
     """x [rows, in] uint8 (int8 + 128) -> [rows, out_features] int32: each output's exact sum of
-    its int8 inputs times its weights."""
+    its int8 inputs times its weights. which: 0 the best ISA here, 1 AVX2, 2 AVX512-VNNI (tests)."""
     weights, offsets = packed
-    return _ops().rowgemm_linear_quads(x.contiguous(), weights)[:, :out_features] - offsets
+    return _ops().rowgemm_linear_quads(x.contiguous(), weights, which)[:, :out_features] - offsets
 
 
 def linear_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], scales: torch.Tensor,
-                out_features: int) -> torch.Tensor:
+                out_features: int, which: int = 0) -> torch.Tensor:
     """x [rows, in] float32 -> [rows, out_features] float32 in one call: each row quantized to int8
     on a scale of its own (its largest magnitude / 127, rounded to even), the exact sums, times the
     weights' `scales` and the row's scale, as tandem.engine.gemm.Int8Linear computes them in torch."""
     weights, offsets = packed
-    return _ops().rowgemm_linear_int8(x.contiguous(), weights, offsets, scales, out_features)
+    return _ops().rowgemm_linear_int8(x.contiguous(), weights, offsets, scales, out_features, which)
 
 
 def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:
@@ -149,5 +155,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, which: int 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = build()
-    log.info("built %s; this CPU runs it with %s", built.name, isa())
+    log.info("built %s; this CPU runs it with %s (int8: %s)", built.name, isa(), int8_isa())
     sys.exit(0)
