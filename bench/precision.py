@@ -99,8 +99,8 @@ def main(argv=None) -> None:
     fill_defaults(a, QUICK, FULL)
     prompts = PROMPTS[:a.prompts]
     m = machine()
-    print(f"{m['cpu']} ({', '.join(m['cpu_features']) or 'no listed features'}): bfloat16 on "
-          f"{'its own' if m['bfloat16_kernels'] else 'float32'} kernels, int8 weights in {m['int8_weight_bits']} bits",
+    print(f"{m['cpu']} ({', '.join(m['cpu_features']) or 'no listed features'}): "
+          f"Tandem's kernel on {m['kernel']}, int8 on {m['int8_kernel']}, int8 weights in {m['int8_weight_bits']} bits",
           flush=True)
     result = {"machine": m, "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
                                                                          "max_new_tokens", "dtypes")}}

@@ -17,7 +17,7 @@ FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf
 
 
 def machine() -> dict:
-    from tandem.engine import gemm
+    from tandem.engine import gemm, rowgemm
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -30,8 +30,9 @@ def machine() -> dict:
         pass
     return {"cpu": model, "cpu_features": [f for f in FEATURES if f in flags], "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "bfloat16_kernels": gemm.bfloat16_kernels(),
-            "int8_weight_bits": 7 if gemm.u8s8_pairs_saturate() else 8}
+            "torch": torch.__version__, "kernel": rowgemm.isa(), "int8_kernel": rowgemm.int8_isa(),
+            "onednn_bfloat16_kernels": gemm.bfloat16_kernels(),
+            "int8_weight_bits": 7 if not rowgemm.int8() and gemm.u8s8_pairs_saturate() else 8}
 
 
 def fill_defaults(args, quick: dict, full: dict) -> None:
