@@ -17,7 +17,8 @@ Why a kernel of its own: decoding reads every weight once per token, so a step's
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
 CPU's memory gives for the one or two rows of a decode step, while one row alone takes another
 path in oneDNN than rows in company (docs/benchmarks.md, "The target's precision"). For long
-inputs (prefills) both are bound by arithmetic and run alike.
+inputs (prefills) both are bound by arithmetic and run alike, except int8 on AVX2, where widening
+both sides costs more than oneDNN's saturating 8-bit products (docs/not-done.md).
 
 Built once by `python -m tandem.engine.rowgemm` (`make setup` runs it; it needs a C++ compiler) into
 a library named by the source's, the flags' and torch's versions; where it is not built, or the
