@@ -32,7 +32,7 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "kernel": rowgemm.isa(), "int8_kernel": rowgemm.int8_isa(),
             "onednn_bfloat16_kernels": gemm.bfloat16_kernels(),
-            "int8_weight_bits": 7 if not rowgemm.int8() and gemm.u8s8_pairs_saturate() else 8}
+            "int8_weight_bits": gemm.int8_weight_bits()}
 
 
 def fill_defaults(args, quick: dict, full: dict) -> None:

@@ -114,6 +114,10 @@ def test_a_wrong_input_is_refused_with_its_reason():
         rowgemm.linear(torch.randn(2, 16), packed, 64)
     with pytest.raises(RuntimeError, match="weights are float32 or bfloat16"):
         rowgemm.pack(torch.zeros(4, 4, dtype=torch.float16))
+    if rowgemm.int8():
+        with pytest.raises(RuntimeError, match=r"int8 ISA 3 \(1 AVX2, 2 AVX512-VNNI\) is beyond this CPU's"):
+            packed = rowgemm.pack_int8(torch.zeros(64, 8, dtype=torch.int8))
+            rowgemm.sums_int8(torch.zeros(1, 8, dtype=torch.uint8), packed, 64, which=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,16 +10,13 @@ other sessions' tokens): otherwise speculation, batching and load change the out
   another order, so a one-row call is padded to two), and is faster than torch's stock kernel.
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
-  int8 recipe does), multiplied in integers on Tandem's kernel where the CPU has AVX512-VNNI or
-  AVX2, else by oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1).
-  Integer sums are exact in any order and the scales are per row, so no other row can change a
-  row's result, and both kernels give the same numbers. oneDNN without VNNI adds pairs of u8 x s8
-  products in 16 bits, saturating (`u8s8_pairs_saturate`); on its kernel the weights then take 7
-  bits, so that a pair fits (narrowing the activations instead, PyTorch's "reduce_range", costs
-  more: per-row activations carry the outliers). `torch._int_mm` and weight-only `_weight_int8pack_mm` are
-  invariant too, and slower (docs/benchmarks.md, "The target's precision").
-- int8 where invariance is not needed (a draft, whose numbers change only speed) and Tandem's
-  int8 kernel does not run: torch.ao's dynamic quantization, which scales a call's inputs over all its rows.
+  int8 recipe does), multiplied in integers on Tandem's kernel (AVX512-VNNI or AVX2), else by
+  oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1). Integer sums are
+  exact in any order and the scales are per row, so no other row can change a row's result, and
+  both kernels give the same numbers, in the weights' bits (`int8_weight_bits`). `torch._int_mm`
+  and weight-only `_weight_int8pack_mm` are invariant too, and slower (docs/benchmarks.md).
+- int8 where invariance is not needed (a draft, whose numbers change only speed) and Tandem's int8
+  kernel does not run: torch.ao's dynamic quantization, which scales a call's inputs over all its rows.
 
 Sibling layers that read the same input (an attention layer's q, k and v; an MLP's gate and up)
 are fused into one (`fuse_linears`) before any of this: one kernel call and one quantization of the
@@ -75,6 +72,12 @@ def u8s8_pairs_saturate() -> bool:
     return int(out[0, 0]) != 127 * 127 * 64
 
 
+def int8_weight_bits() -> int:
+    """The bits an int8 layer's weights take here: 8, or 7 where oneDNN's kernel runs them and adds
+    pairs of products saturating (so a pair fits; narrowing the inputs instead costs more)."""
+    return 7 if not rowgemm.int8() and u8s8_pairs_saturate() else 8
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, features], with at least two rows (a lone row repeated)."""
     flat = x.reshape(-1, x.shape[-1])
@@ -123,12 +126,10 @@ class PackedLinear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """int8 weights with a float32 scale per output row, packed once; each call's rows are
-    quantized to int8 with a scale of their own, multiplied in integers (as uint8 with zero point
-    128), and scaled back to the activations' dtype. The integer products run on Tandem's kernel
-    where it runs int8 (tandem.engine.rowgemm.int8), else on oneDNN's; integer sums are exact, so
-    both give the same numbers. On oneDNN's, the weights take 7 bits where its pairs of products
-    saturate (u8s8_pairs_saturate)."""
+    """int8 weights (`int8_weight_bits`) with a float32 scale per output row, packed once; each
+    call's rows are quantized to int8 with a scale of their own, multiplied in integers (as uint8
+    with zero point 128) on Tandem's kernel where it runs int8, else on oneDNN's (integer sums are
+    exact: the same numbers), and scaled back to the activations' dtype."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -136,7 +137,7 @@ class Int8Linear(torch.nn.Module):
         with torch.no_grad():
             w = linear.weight.detach().float()
             self.own_kernel = rowgemm.int8()
-            top = 63 if not self.own_kernel and u8s8_pairs_saturate() else 127
+            top = 2 ** (int8_weight_bits() - 1) - 1        # the largest weight: 127, or 63 in 7 bits
             self.scales = w.abs().amax(1).clamp(min=1e-12) / top
             int8 = torch.round(w / self.scales[:, None]).clamp_(-top, top).to(torch.int8)
             self.packed = rowgemm.pack_int8(int8) if self.own_kernel else torch.ops.onednn.qlinear_prepack(int8, None)
@@ -269,7 +270,7 @@ def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
     another module shares the weight (a tied output layer keeps the embedding's), so memory grows
     by at most that one matrix."""
     swaps = _linears(model, PACKED_DTYPES)
-    if any(child.weight.dtype == torch.bfloat16 for *_, child in swaps) and not bfloat16_kernels():
+    if any(c.weight.dtype == torch.bfloat16 for *_, c in swaps) and not (rowgemm.available() or bfloat16_kernels()):
         log.warning("this CPU has no oneDNN bfloat16 kernels (they need AVX-512): bfloat16 layers run on "
                     "float32 kernels, at float32's speed")
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
@@ -290,9 +291,8 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True) -> int:
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
             torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         return len(swaps)
-    if swaps and not rowgemm.int8() and u8s8_pairs_saturate():
-        log.warning("oneDNN's int8 kernel saturates sums of 8-bit products on this CPU (no VNNI), and "
-                    "Tandem's does not run here: int8 weights take 7 bits")
+    if swaps and int8_weight_bits() == 7:
+        log.warning("no Tandem int8 kernel here, and oneDNN's saturates 8-bit pairs: int8 weights take 7 bits")
     for parent, name, child in swaps:
         setattr(parent, name, Int8Linear(child))
     if swaps:

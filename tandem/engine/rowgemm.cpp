@@ -294,7 +294,9 @@ using Int8Rows = void (*)(const int8_t*, const uint8_t*, int64_t, int32_t*, int6
 Int8Rows int8_rows(int64_t which, const char* op) {
   int64_t best = best_int8();
   if (which == INT8_NONE) which = best;
-  TORCH_CHECK(which != INT8_NONE && which <= best, op, ": this CPU has neither AVX512-VNNI nor AVX2");
+  TORCH_CHECK(best != INT8_NONE, op, ": this CPU has neither AVX512-VNNI nor AVX2");
+  TORCH_CHECK(which >= 0 && which <= best, op, ": int8 ISA ", which, " (1 AVX2, 2 AVX512-VNNI) is beyond this CPU's ",
+              best);
   if (which == INT8_VNNI) return by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>;
   return rows_int8_avx2;
 }
