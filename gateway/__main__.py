@@ -19,7 +19,7 @@ from gateway.vllm import ModelFacts
 from tandem.cluster.redis_conn import connect, redacted
 from tandem.cluster.registry import Registry
 from tandem.cluster.sessions import SessionStore
-from tandem.engine.modeling import context_length, load_tokenizer, resolve
+from tandem.engine.modeling import DTYPES, context_length, load_tokenizer, resolve
 from tandem.service.config import add_common_flags, add_flag, add_redis_flag, checked_redis_url
 from tandem.service.server import service_from_args, setup_observability
 
@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--verify-workers", default="",
              help="static comma-separated host:port list instead of Redis discovery (no sessions kept)")
     add_flag(parser, "--draft-workers", default="", help="static draft workers, with --verify-workers")
+    add_flag(parser, "--verify-dtype", default="",
+             help="route only to verify workers registered at this --dtype (float32, bfloat16, int8, float16); "
+                  "empty: any, with a warning when the target's workers differ in numerics")
     add_flag(parser, "--max-migrations", default=3, type=int,
              help="times one request may move to another worker after a worker fails")
     add_flag(parser, "--link-retry-seconds", default=2.0, type=float,
@@ -87,6 +90,8 @@ def build_core(args: argparse.Namespace) -> tuple[GenerationCore, ModelFacts]:
         raise SystemExit(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.link_retry_seconds <= 0:
         raise SystemExit(f"--link-retry-seconds must be positive, got {args.link_retry_seconds}")
+    if args.verify_dtype and args.verify_dtype not in DTYPES:
+        raise SystemExit(f"--verify-dtype must be one of {', '.join(DTYPES)} or empty, got {args.verify_dtype!r}")
     if not args.verify_workers:
         checked_redis_url(args.redis_url)
     config = AutoConfig.from_pretrained(resolve(args.model))
@@ -95,7 +100,7 @@ def build_core(args: argparse.Namespace) -> tuple[GenerationCore, ModelFacts]:
         log.info("static routing: verify %s, draft %s; Redis is not used", args.verify_workers, args.draft_workers)
     else:
         client = connect(args.redis_url)
-        router = RedisRouter(Registry(client), args.model, args.redis_url)
+        router = RedisRouter(Registry(client), args.model, args.redis_url, dtype=args.verify_dtype)
         conversations = Conversations(SessionStore(client, ttl=args.session_ttl_seconds), redacted(args.redis_url))
         log.info("discovering workers for %s in Redis at %s", args.model, redacted(args.redis_url))
     router.link_seconds = args.link_retry_seconds

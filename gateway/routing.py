@@ -1,5 +1,7 @@
 """Which workers serve a request: discovered from the Redis registry (or a static list, the fallback
 for running without Redis), least-loaded first, the session's own verify worker before any other.
+A request that moves after a failure goes on at a verify worker of its first one's numerics (dtype
+and kernels) where one is left, so that its later tokens are the ones the first would have given.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Route:
     # Decoding plainly because the link from the draft pool to this verify worker failed: the
     # time.monotonic() at which to try speculation again; None otherwise.
     retry_at: float | None = None
+    numerics: str = ""         # the verify worker's, as registered ("" where not known)
 
 
 def no_kv(room: int) -> int:
@@ -106,20 +109,21 @@ class Router:
         return at is None or time.monotonic() - at > self.suspect_seconds
 
     async def route(self, method: str, affinity: str = "", exclude: frozenset[str] | set[str] = frozenset(),
-                    need: Callable[[int], int] = no_kv) -> Route:
+                    need: Callable[[int], int] = no_kv, numerics: str = "") -> Route:
         """need(room): KV positions the session will reserve on a verify worker that keeps `room`
-        positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths)."""
+        positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths).
+        numerics: the request's first verify worker's, once it has had one (see pick_verify)."""
         if method == HEAD:
             # The head lives beside the target: a verify worker that has one serves the request
             # alone, no draft worker involved.
             try:
-                verify = await self.pick_verify(affinity, set(exclude), need, method=HEAD)
-                return Route(verify, None, HEAD, need(self.room(verify)))
+                verify = await self.pick_verify(affinity, set(exclude), need, method=HEAD, numerics=numerics)
+                return Route(verify, None, HEAD, need(self.room(verify)), numerics=self.numerics_of(verify))
             except RoutingError:
-                verify = await self.pick_verify(affinity, set(exclude), need)
+                verify = await self.pick_verify(affinity, set(exclude), need, numerics=numerics)
                 self._fell_back(method, verify, "no verify worker with a trained head is available")
-                return Route(verify, None, "none", need(self.room(verify)))
-        verify = await self.pick_verify(affinity, set(exclude), need)
+                return Route(verify, None, "none", need(self.room(verify)), numerics=self.numerics_of(verify))
+        verify = await self.pick_verify(affinity, set(exclude), need, numerics=numerics)
         drafts = await self.draft_pool() if method != "none" else None
         down = await self.down_links(verify, drafts) if method != "none" else {}
         draft = await self.pick_draft(method, set(exclude) | set(down), drafts) if method != "none" else None
@@ -131,7 +135,11 @@ class Router:
                                                 f"{verify} failed lately")
             else:
                 self._fell_back(method, verify, f"no {method} draft worker available")
-        return Route(verify, draft, method if draft else "none", need(self.room(verify)), retry_at)
+        return Route(verify, draft, method if draft else "none", need(self.room(verify)), retry_at,
+                     self.numerics_of(verify))
+
+    def numerics_of(self, verify: str) -> str:
+        return next((w.numerics for w in self.pool if w.address == verify), "")
 
     @staticmethod
     def _fell_back(method: str, verify: str, why: str) -> None:
@@ -153,8 +161,10 @@ class Router:
         return proposal_room()
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
-                          method: str = "") -> str:
-        """method: HEAD for a verify worker with a trained head loaded; "" for any."""
+                          method: str = "", numerics: str = "") -> str:
+        """method: HEAD for a verify worker with a trained head loaded; "" for any. numerics: where
+        given, workers of these numerics come before all others (a move to other numerics is
+        counted, tandem_numerics_switches_total)."""
         raise NotImplementedError
 
     async def pick_draft(self, method: str, exclude: set[str], drafts: list[WorkerInfo] | None = None) -> str | None:
@@ -185,8 +195,8 @@ class StaticRouter(Router):
         return min(usable, key=lambda a: (self.inflight[a], random.random())) if usable else None
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
-                          method: str = "") -> str:
-        # A static list says nothing of heads: a worker without one answers FAILED_PRECONDITION.
+                          method: str = "", numerics: str = "") -> str:
+        # A static list says nothing of heads nor numerics: a worker without one answers FAILED_PRECONDITION.
         if affinity in self.verify and self._usable(affinity, exclude):
             return affinity
         address = self._least_busy(self.verify, exclude)
@@ -200,12 +210,16 @@ class StaticRouter(Router):
 
 
 class RedisRouter(Router):
-    """Workers discovered in the Redis registry, only those serving this gateway's model."""
+    """Workers discovered in the Redis registry, only those serving this gateway's model (at `dtype`,
+    where given)."""
 
-    def __init__(self, registry: Registry, model: str, redis_url: str, suspect_seconds: float = 10.0) -> None:
+    def __init__(self, registry: Registry, model: str, redis_url: str, suspect_seconds: float = 10.0,
+                 dtype: str = "") -> None:
         super().__init__(suspect_seconds)
         self.registry = registry
         self.model = model
+        self.dtype = dtype
+        self._mixed: frozenset[str] = frozenset()     # the numerics last warned of
         self.redis_url = redacted(redis_url)
         self._rooms: dict[str, int] = {}     # verify worker -> its registered proposal room
 
@@ -237,14 +251,29 @@ class RedisRouter(Router):
         return own | dict.fromkeys(listed, time.monotonic() + self.link_seconds)
 
     async def verify_pool(self) -> list[WorkerInfo]:
-        self.pool = [w for w in await self._workers(VERIFY) if w.model == self.model]
+        self.pool = [w for w in await self._workers(VERIFY)
+                     if w.model == self.model and (not self.dtype or w.dtype == self.dtype)]
+        mixed = frozenset(w.numerics for w in self.pool)
+        if len(mixed) > 1 and mixed != self._mixed:
+            log.warning("the verify workers of %s differ in numerics (%s): requests' tokens depend on the "
+                        "worker they land on; give them one --dtype and one kind of node, or the gateway "
+                        "--verify-dtype", self.model, "; ".join(sorted(n or "not registered" for n in mixed)))
+        self._mixed = mixed
         return self.pool
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
-                          method: str = "") -> str:
+                          method: str = "", numerics: str = "") -> str:
         workers = [w for w in await self.verify_pool() if not method or method in w.methods]
         self._rooms.update((w.address, w.kv_margin) for w in workers)
         usable = [w for w in workers if self._usable(w.address, exclude)]
+        if numerics and usable:
+            alike = [w for w in usable if w.numerics == numerics]
+            if not alike:
+                log.warning("no verify worker of numerics %r is left for this request; it goes on at other "
+                            "numerics, so its later tokens may differ from what the first worker would give",
+                            numerics)
+                metrics.NUMERICS_SWITCHES.inc()
+            usable = alike or usable
         # Workers whose KV budget has room for the session (as of their last heartbeat) come first,
         # even before the one holding the session's cache; if none has room, the least loaded one
         # answers for itself (RESOURCE_EXHAUSTED if it is still full).
@@ -255,8 +284,8 @@ class RedisRouter(Router):
                 return w.address
         best = self._least_loaded(usable)
         if best is None:
-            raise RoutingError(f"no verify worker for model {self.model!r}{' with a head' if method else ''} "
-                               "is registered in Redis"
+            raise RoutingError(f"no verify worker for model {self.model!r}{' with a head' if method else ''}"
+                               f"{f' at dtype {self.dtype}' if self.dtype else ''} is registered in Redis"
                                if not workers else
                                f"every verify worker for model {self.model!r} has failed for this request")
         return best.address

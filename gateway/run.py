@@ -63,15 +63,17 @@ class RequestRun:
         failed: set[str] = set()
         router = self.serving.router
         affinity = self.turn.affinity
+        numerics = ""             # the first verify worker's: a move keeps to them where it can
         while True:
             # the KV the verify worker reserves for the rest of this request (prompt_ids hold the
             # delivered tokens' place: they are prompt to the next worker after a move)
             need = partial(kv_need, len(self.turn.prompt_ids), self.req.params.max_new_tokens,
                            max_context=self.serving.max_context)
             try:
-                self.route = await router.route(self.req.method, affinity, failed, need)
+                self.route = await router.route(self.req.method, affinity, failed, need, numerics)
             except RoutingError as e:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            numerics = numerics or self.route.numerics
             self.usage.draft_method = self.route.method
             router.hold(self.route)
             try:

@@ -162,6 +162,14 @@ def test_a_pass_that_need_not_be_invariant_differs(tokens):
     assert not all(torch.equal(logits, ways["one at a time"]) for logits in ways.values())
 
 
+def test_numerics_name_the_dtype_and_kernel_and_part_precisions(target, draft):
+    """What a verify worker registers: the same for two loads alike, other for another dtype or a
+    pass that is not invariant (the gateway keeps a moved request on its first worker's)."""
+    assert target.numerics.startswith(f"{target.dtype}, linear ")
+    assert "not batch-invariant" not in target.numerics and draft.numerics.endswith(", not batch-invariant")
+    assert (target.numerics == draft.numerics.removesuffix(", not batch-invariant")) == (target.dtype == "int8")
+
+
 CHAT = ["Write a Python function that checks whether a string is a palindrome.",
         "List three differences between TCP and UDP."]
 

@@ -4,11 +4,13 @@ equals its plain decoding, on real SmolLM2-135M-Instruct (its int8 copy as the d
 path at every precision is tested in process (tests/test_invariance.py). A dtype the device cannot
 run stops the worker at start with the reason."""
 
+import json
 import subprocess
 import sys
 
 import grpc
 import pytest
+import redis
 
 from tandem.client import build_request
 from tandem.launch import Stack
@@ -27,6 +29,10 @@ def test_a_target_at_dtype_starts_and_speculation_equals_plain(dtype, redis_serv
         stub = pb_grpc.GenerationServiceStub(ch)
         out = {m: stub.Generate(build_request(PROMPT, chat=True, max_new_tokens=40, method=m), timeout=120)
                for m in ("none", "model", "ngram")}
+        client = redis.Redis.from_url(redis_server.url)
+        entry = json.loads(client.get(f"tandem:worker:verify:{stack.address('verify_worker')}"))
+    # what the gateway keeps a moved request to: the worker's dtype and numerics
+    assert entry["dtype"] == dtype and entry["numerics"].startswith(f"{dtype}, linear "), entry
     assert out["none"].usage.generated_tokens > 10
     assert out["model"].usage.draft_tokens > 0
     for method in ("model", "ngram"):

@@ -251,3 +251,30 @@ async def test_router_sends_head_requests_to_verify_workers_with_a_head(redis_cl
     assert (await router.route("none")).verify == "plain:1"          # least loaded for anything else
     router.failed("headed:1")
     assert (await router.route("head")).method == "none"             # its only head worker just failed
+
+
+@pytest.mark.system
+async def test_a_moved_request_keeps_to_its_first_workers_numerics(redis_client, caplog):
+    """A verify worker registers its dtype and numerics; a request that moves goes on at a worker
+    of its first one's numerics before any less loaded one of other numerics, and where none is
+    left it moves anyway, counted."""
+    from gateway.routing import RedisRouter, RoutingError
+    from tandem.service import metrics
+    reg = Registry(redis_client)
+    for address, dtype, numerics, load in [("f32:1", "float32", "float32 x", 0), ("i8:1", "int8", "int8 x", 1),
+                                           ("f32:2", "float32", "float32 x", 5), ("f32:3", "float32", "float32 y", 0)]:
+        await reg.register(WorkerInfo(address, VERIFY, "num", load=load, dtype=dtype, numerics=numerics), ttl=5)
+    router = RedisRouter(reg, "num", "redis://test")
+    caplog.set_level("WARNING")
+    first = await router.route("none", exclude={"f32:3"})
+    assert (first.verify, first.numerics) == ("f32:1", "float32 x")
+    assert "differ in numerics (float32 x; float32 y; int8 x)" in caplog.text
+    moved = await router.route("none", exclude={"f32:1"}, numerics=first.numerics)
+    assert (moved.verify, moved.numerics) == ("f32:2", "float32 x")          # not f32:3 nor i8:1, less loaded
+    switches = metrics.NUMERICS_SWITCHES._value.get()
+    last = await router.route("none", exclude={"f32:1", "f32:2"}, numerics=first.numerics)
+    assert last.verify == "f32:3" and metrics.NUMERICS_SWITCHES._value.get() == switches + 1
+    only_int8 = RedisRouter(reg, "num", "redis://test", dtype="int8")        # the gateway's --verify-dtype
+    assert (await only_int8.route("none")).verify == "i8:1"
+    with pytest.raises(RoutingError, match="no verify worker for model 'num' at dtype bfloat16 is registered"):
+        await RedisRouter(reg, "num", "redis://test", dtype="bfloat16").route("none")

@@ -135,11 +135,12 @@ async def main(args: argparse.Namespace) -> None:
         return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
                           load=len(servicer.sessions), kv_free=servicer.keeper.free(),
                           kv_margin=proposal_room(engine.max_proposal), started_at=started,
-                          methods=[HEAD] if head else [])
+                          methods=[HEAD] if head else [], dtype=args.dtype, numerics=model.numerics)
 
     heartbeat = heartbeat_for(args, describe)
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
-                        on_ready=lambda: log.info("verify worker serving %s on %s:%d", args.model, args.host, port))
+                        on_ready=lambda: log.info("verify worker serving %s on %s:%d (numerics: %s)", args.model,
+                                                          args.host, port, model.numerics))
     inference.shutdown()
 
 

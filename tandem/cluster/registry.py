@@ -39,6 +39,10 @@ class WorkerInfo:
                                      # room of a proposal (tandem.engine.kvpool.proposal_room)
     started_at: float = 0.0          # a restarted worker at the same address has a new value
     links_down: list[str] = field(default_factory=list)   # draft: verify workers its link to is down
+    # verify: its --dtype, and what decides its numbers besides the weights
+    # (tandem.engine.modeling.CausalLM.numerics): workers of equal numerics give the same tokens
+    dtype: str = ""
+    numerics: str = ""
     heartbeat_at: float = 0.0
 
 

@@ -44,8 +44,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     like every precision here a row's result does not depend on the other rows of its pass, and
     where Tandem's int8 kernel runs (tandem.engine.rowgemm.int8), which is faster; else with a
     scale per call (tandem.engine.gemm)."""
-    problem = dtype_problem(dtype, device)
-    if problem:
+    if problem := dtype_problem(dtype, device):
         raise ValueError(problem)
     load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
@@ -100,6 +99,17 @@ class CausalLM:
         found at start to compute a row alike in calls of any size on this CPU."""
         return (self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype == "int8")
                 and self.rows_alike)
+
+    @property
+    def numerics(self) -> str:
+        """What decides its numbers besides the weights: two invariant models of equal numerics give
+        the same logits for the same tokens, whatever shares their passes."""
+        linear = (f"{self.device} (CUDA {torch.version.cuda})" if not self.device.startswith("cpu")
+                  else (f"tandem int8 {rowgemm.int8_isa()}" if rowgemm.int8()
+                        else f"onednn int8, {gemm.int8_weight_bits()}-bit weights") if self.dtype == "int8"
+                  else f"tandem {rowgemm.isa()}" if self.packed and rowgemm.available() else "onednn")
+        return (f"{self.dtype}, linear {linear}, torch {torch.__version__} "
+                f"{torch.backends.cpu.get_cpu_capability()}{'' if self.invariant else ', not batch-invariant'}")
 
     def new_cache(self, capacity: int = 64) -> SessionCache:
         """A session's cache with room for `capacity` positions (it grows when fed more).

@@ -82,6 +82,9 @@ LINK_FALLBACKS = Counter("tandem_link_fallbacks", "Requests whose draft worker l
                          "speculation), retry (speculation tried again after the wait)", ["event"], registry=_NO)
 MIGRATIONS = Counter("tandem_migrations", "Times a generation moved to other workers after one failed",
                      registry=_NO)
+NUMERICS_SWITCHES = Counter("tandem_numerics_switches", "Generations moved after a failure to a verify worker "
+                            "of other numerics than their first (no worker of theirs was left), whose "
+                            "later tokens may differ from what the first would have given", registry=_NO)
 FALLBACKS = Counter("tandem_fallbacks", "Generations decoded by the target alone because no draft worker for "
                     "the requested method was available", ["method"], registry=_NO)
 
@@ -152,7 +155,7 @@ VERIFY_SECONDS = Histogram("tandem_verify_forward_seconds", "Target time for one
 
 _OWNED = {
     "gateway": [REQUESTS, TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING, MIGRATIONS,
-                FALLBACKS, LINK_FALLBACKS, VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE],
+                NUMERICS_SWITCHES, FALLBACKS, LINK_FALLBACKS, VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE],
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
                      SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, PREPARED, TREE_ROUNDS, INFERENCE_BUSY, LINK_EVENTS],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,

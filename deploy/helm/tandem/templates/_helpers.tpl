@@ -216,6 +216,10 @@ float16 on a GPU only; the worker refuses them elsewhere. */}}
   value: {{ printf "%s:%d" (include "tandem.componentName" (dict "root" .root "component" "draft")) (int $v.draft.port) | quote }}
 {{- else if not (or $v.redis.enabled $v.redis.external.url $v.redis.external.existingSecret) }}
 {{- fail "gateway.workerDiscovery=redis needs a Redis: redis.enabled or redis.external" }}
+{{- else }}
+# only the verify pool's precision: a worker of another (a release before a dtype change) is not used
+- name: TANDEM_VERIFY_DTYPE
+  value: {{ include "tandem.dtype" (dict "root" .root "component" "verify" "pool" $v.verify) | quote }}
 {{- end }}
 - name: TANDEM_MAX_MIGRATIONS
   value: {{ $v.gateway.maxMigrations | quote }}
