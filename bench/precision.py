@@ -1,10 +1,11 @@
 """make bench-precision: the target at each precision Tandem serves it in, plain and speculative,
 beside llama.cpp (the peers section of `make bench`), in one run.
 
-Tandem: one stack per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
-verify worker; the draft worker's own dtype is int8), each serving draft methods none (plain
-decoding), model (the Qwen pair's 0.5B draft) and ngram, one stream, greedy, the chat prompts of
-bench/e2e.py. tokens/s is end to end through the gateway (prompt included). Each speculative row's
+Tandem: two stacks per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
+verify worker), one stream, greedy, the chat prompts of bench/e2e.py: one without a draft model
+serving draft methods none (plain decoding) and ngram, as a deployment without a draft pool runs
+them, and one with the Qwen pair's 0.5B draft (its own dtype int8) on the same cores, serving
+model. tokens/s is end to end through the gateway (prompt included). Each speculative row's
 outputs are compared with the plain row's at the same dtype: with batch-invariant numerics they
 must be equal (tandem.engine.gemm), and a difference is reported loudly.
 
@@ -39,20 +40,24 @@ LLAMA = {"float32": "f32", "int8": "q8_0"}       # llama.cpp's precision beside 
 
 def tandem_rows(a, dtype: str, prompts: list[str]) -> dict:
     rows = {}
-    with Stack(a.target, a.draft, threads=a.threads, verify_args=["--dtype", dtype]) as stack, \
-            grpc.insecure_channel(stack.address("gateway")) as ch:
-        stub = pb_grpc.GenerationServiceStub(ch)
-        for method in METHODS:
-            timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-            runs = [timed_generate(stub, build_request(p, chat=True, max_new_tokens=a.max_new_tokens,
-                                                       method=method))[0] for p in prompts]
-            tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
-            rounds = sum(r["rounds"] for r in runs)
-            rows[method] = {"tok_s": tokens / seconds, "tokens": tokens,
-                            "tokens_per_round": tokens / rounds if rounds else None,
-                            "texts": [r["text"] for r in runs]}
-            print(f"  tandem {dtype:8s} {method:5s}: {rows[method]['tok_s']:.2f} tok/s", flush=True)
-    return rows
+    # Each method as a deployment of it runs: plain decoding and prompt lookup with no draft model
+    # (the verify worker then has the cores to itself and spins for OpenMP work, tandem.launch),
+    # the draft model beside the target on the same cores.
+    for draft, methods in (("none", ("none", "ngram")), (a.draft, ("model",))):
+        with Stack(a.target, draft, threads=a.threads, verify_args=["--dtype", dtype]) as stack, \
+                grpc.insecure_channel(stack.address("gateway")) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            for method in methods:
+                timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
+                runs = [timed_generate(stub, build_request(p, chat=True, max_new_tokens=a.max_new_tokens,
+                                                           method=method))[0] for p in prompts]
+                tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+                rounds = sum(r["rounds"] for r in runs)
+                rows[method] = {"tok_s": tokens / seconds, "tokens": tokens,
+                                "tokens_per_round": tokens / rounds if rounds else None,
+                                "texts": [r["text"] for r in runs]}
+                print(f"  tandem {dtype:8s} {method:5s}: {rows[method]['tok_s']:.2f} tok/s", flush=True)
+    return {method: rows[method] for method in METHODS}
 
 
 def llama_rows(a, prompts: list[str]) -> dict | str:

@@ -60,6 +60,10 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TlsF
     raise TimeoutError(f"{address} did not become SERVING within {timeout:.0f}s")
 
 
+# Spin rounds of libgomp (GOMP_SPINCOUNT; about 0.1 ms) for a verify worker beside a draft model.
+VERIFY_SPINS = "10000"
+
+
 @dataclass
 class Stack:
     """Verify workers, draft workers and a gateway as processes on loopback ports, coordinated
@@ -100,14 +104,18 @@ class Stack:
         return f"http://{self.host}:{self.metrics_ports[name]}/metrics"
 
     def _spawn(self, name: str, args: list[str], port: int, cpus: str | None = None) -> None:
-        # The processes share this machine's cores. An OpenMP thread that spins while it waits (the
-        # default) takes a core from another process's forward passes, so with a draft model beside
-        # it every process waits passively. Without one, the verify worker keeps OpenMP's default:
-        # waiting passively, each parallel region of a pass wakes a sleeping thread, which slows its
-        # passes down. Both measured in docs/benchmarks.md ("Measurements behind the code's rules").
-        # The environment overrides both.
-        alone = name.startswith("verify_worker") and self.draft == "none"
-        omp = {} if alone else {"OMP_WAIT_POLICY": "PASSIVE"}
+        # The processes share this machine's cores. An OpenMP thread that spins while it waits
+        # (OpenMP's default: about 3 ms) takes a core from another process's forward passes; one
+        # that sleeps at once must be woken by each parallel region of a pass. So with a draft model
+        # beside it the verify worker spins VERIFY_SPINS rounds (the gaps between a pass's regions,
+        # not those between passes) and every other process sleeps at once; a verify worker without
+        # one keeps OpenMP's default. Measured in docs/benchmarks.md ("Measurements behind the
+        # code's rules"). Either variable set in the environment overrides all of this.
+        verify = name.startswith("verify_worker")
+        omp = ({} if verify and self.draft == "none"
+               else {"OMP_WAIT_POLICY": "PASSIVE", **({"GOMP_SPINCOUNT": VERIFY_SPINS} if verify else {})})
+        if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & (os.environ.keys() | self.extra_env.keys()):
+            omp = {}
         env = {**omp, **os.environ, **self.extra_env}
         self.ports[name] = port
         # A free port per process: the services' fixed defaults would collide on one machine.

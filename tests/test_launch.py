@@ -79,3 +79,33 @@ def test_a_pinned_process_and_all_its_threads_run_on_its_cpus(tiny_pair):
         assert os.sched_getaffinity(0) == mine
     finally:
         stack.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("draft, set_here, want", [
+    # beside a draft model the verify worker spins a short while, every other process sleeps at once
+    ("a-model", {}, {"verify_worker": ("PASSIVE", "10000"), "draft_worker": ("PASSIVE", None),
+                     "gateway": ("PASSIVE", None)}),
+    # with the cores to itself the verify worker keeps OpenMP's default
+    ("none", {}, {"verify_worker": (None, None), "draft_worker": ("PASSIVE", None)}),
+    # either variable set by the caller wins over all of it
+    ("a-model", {"OMP_WAIT_POLICY": "ACTIVE"}, {"verify_worker": ("ACTIVE", None), "draft_worker": ("ACTIVE", None)}),
+    ("a-model", {"GOMP_SPINCOUNT": "5"}, {"verify_worker": (None, "5"), "draft_worker": (None, "5")}),
+])
+def test_each_process_waits_for_openmp_work_by_what_shares_its_cores(draft, set_here, want, monkeypatch):
+    import subprocess
+
+    from tandem import launch
+    started = {}
+
+    class Popen:                      # records the environment a process would be started with
+        def __init__(self, argv, env, stderr):
+            started[argv[2]] = (env.get("OMP_WAIT_POLICY"), env.get("GOMP_SPINCOUNT"))
+
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    stack = launch.Stack("t", draft, extra_env=set_here)
+    for kind in want:
+        stack._spawn(kind, [], free_port())
+    assert started == want
