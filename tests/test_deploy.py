@@ -411,6 +411,10 @@ def test_worker_dtypes_fit_their_device_and_the_kv_budget_is_set(charts, overlay
         assert verify["TANDEM_DTYPE"] == ("float32" if name == "helm:cpu-dev" else "bfloat16"), name
         assert draft["TANDEM_DTYPE"] == ("int8" if draft["TANDEM_DEVICE"] == "cpu" else "bfloat16"), name
         assert int(verify["TANDEM_KV_BUDGET_TOKENS"]) == 32768, name
+        gateway = env_of(docs, main_container(pools["gateway"]))
+        if name.startswith("helm:") and "TANDEM_VERIFY_WORKERS" not in gateway:
+            # the gateway routes to verify workers of the pool's dtype only (not a stale release's)
+            assert gateway["TANDEM_VERIFY_DTYPE"] == verify["TANDEM_DTYPE"], name
     docs = render_chart({"verify": {"kvBudgetTokens": 1048576, "calibrate": False, "dtype": "bfloat16"}})
     env = env_of(docs, main_container(pool_deployments(docs)["verify"]))
     assert (env["TANDEM_KV_BUDGET_TOKENS"], env["TANDEM_CALIBRATE"], env["TANDEM_DTYPE"]) == ("1048576", "false", "bfloat16")
