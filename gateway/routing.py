@@ -196,7 +196,7 @@ class StaticRouter(Router):
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
                           method: str = "", numerics: str = "") -> str:
-        # A static list says nothing of heads nor numerics: a worker without one answers FAILED_PRECONDITION.
+        # A static list says nothing of heads (a worker without one answers FAILED_PRECONDITION) nor of numerics.
         if affinity in self.verify and self._usable(affinity, exclude):
             return affinity
         address = self._least_busy(self.verify, exclude)
