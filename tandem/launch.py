@@ -112,10 +112,12 @@ class Stack:
         # one keeps OpenMP's default. Measured in docs/benchmarks.md ("Measurements behind the
         # code's rules"). Either variable set in the environment overrides all of this.
         verify = name.startswith("verify_worker")
-        omp = ({} if verify and self.draft == "none"
-               else {"OMP_WAIT_POLICY": "PASSIVE", **({"GOMP_SPINCOUNT": VERIFY_SPINS} if verify else {})})
         if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & (os.environ.keys() | self.extra_env.keys()):
-            omp = {}
+            omp = {}                     # the caller's choice
+        elif verify:
+            omp = {} if self.draft == "none" else {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": VERIFY_SPINS}
+        else:
+            omp = {"OMP_WAIT_POLICY": "PASSIVE"}
         env = {**omp, **os.environ, **self.extra_env}
         self.ports[name] = port
         # A free port per process: the services' fixed defaults would collide on one machine.

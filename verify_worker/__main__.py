@@ -130,17 +130,18 @@ async def main(args: argparse.Namespace) -> None:
     internal_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, service.server)
     port = service.listen(args.host, args.port)
     address, started = advertise_address(args.host, port, args.advertise_address), time.time()
+    numerics = model.numerics           # fixed once loaded: every heartbeat announces it
 
     def describe() -> WorkerInfo:
         return WorkerInfo(address=address, pool=VERIFY, model=args.model, capacity=keeper.budget,
                           load=len(servicer.sessions), kv_free=servicer.keeper.free(),
                           kv_margin=proposal_room(engine.max_proposal), started_at=started,
-                          methods=[HEAD] if head else [], dtype=args.dtype, numerics=model.numerics)
+                          methods=[HEAD] if head else [], dtype=args.dtype, numerics=numerics)
 
     heartbeat = heartbeat_for(args, describe)
     await service.serve(args.grace_seconds, on_started=heartbeat.start, on_stopping=heartbeat.stop,
-                        on_ready=lambda: log.info("verify worker serving %s on %s:%d (numerics: %s)", args.model,
-                                                          args.host, port, model.numerics))
+                        on_ready=lambda: log.info("verify worker serving %s on %s:%d (numerics: %s)",
+                                                  args.model, args.host, port, numerics))
     inference.shutdown()
 
 

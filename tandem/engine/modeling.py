@@ -75,9 +75,7 @@ class CausalLM:
         # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
         self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model, batch_invariant) > 0
         self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
-        self.device = device
-        self.dtype = dtype
-        self.batch_invariant = batch_invariant
+        self.device, self.dtype, self.batch_invariant = device, dtype, batch_invariant
         self.rows_alike = batch_invariant and gemm.rows_computed_alone(self.model)
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
         self.padded_length: dict[int, int] = {}
@@ -102,12 +100,14 @@ class CausalLM:
 
     @property
     def numerics(self) -> str:
-        """What decides its numbers besides the weights: two invariant models of equal numerics give
-        the same logits for the same tokens, whatever shares their passes."""
-        linear = (f"{self.device} (CUDA {torch.version.cuda})" if not self.device.startswith("cpu")
-                  else (f"tandem int8 {rowgemm.int8_isa()}" if rowgemm.int8()
-                        else f"onednn int8, {gemm.int8_weight_bits()}-bit weights") if self.dtype == "int8"
-                  else f"tandem {rowgemm.isa()}" if self.packed and rowgemm.available() else "onednn")
+        """What decides its numbers beside the weights: invariant models of equal numerics give equal logits."""
+        if not self.device.startswith("cpu"):
+            linear = f"{self.device} (CUDA {torch.version.cuda})"
+        elif self.dtype != "int8":
+            linear = f"tandem {rowgemm.isa()}" if self.packed and rowgemm.available() else "onednn"
+        else:
+            linear = (f"tandem int8 {rowgemm.int8_isa()}" if rowgemm.int8()
+                      else f"onednn int8, {gemm.int8_weight_bits()}-bit weights")
         return (f"{self.dtype}, linear {linear}, torch {torch.__version__} "
                 f"{torch.backends.cpu.get_cpu_capability()}{'' if self.invariant else ', not batch-invariant'}")
 
