@@ -35,6 +35,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "greedy requests only")
     add_flag(parser, "--confidence", default=0.4, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
+    add_flag(parser, "--draft-vocab", default=0, type=int,
+             help="the draft model scores only its first N token ids (the most frequent in a BPE vocabulary), "
+                  "its special tokens and the tokens it has been fed: a shorter draft step; a token outside "
+                  "them is never proposed (verification stays lossless). 0: the whole vocabulary")
     add_flag(parser, "--ngram-max", default=3, type=int, help="longest n-gram prompt lookup matches")
     add_flag(parser, "--pipeline", default=False, type=bool,
              help="greedy requests without a guide: stream proposals, drafting on while the verify worker "
@@ -62,7 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--jump-forward", default=True, type=bool,
              help="under a guide, propose the tokens it forces (keys, punctuation) ahead of the drafted ones")
     add_worker_flags(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.draft_vocab < 0:
+        parser.error(f"--draft-vocab must be 0 (the whole vocabulary) or a number of token ids, got {args.draft_vocab}")
+    return args
 
 
 def parse_routes(text: str) -> dict[str, str]:
@@ -99,7 +106,8 @@ async def main(args: argparse.Namespace) -> None:
         def load() -> CausalLM:
             model = CausalLM(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
                              kv_tokens=args.kv_budget_tokens, kv_bytes=args.kv_memory_mb << 20,
-                             packed_gemm=args.packed_gemm, batch_invariant=False)   # drafts change only speed
+                             packed_gemm=args.packed_gemm, batch_invariant=False,   # drafts change only speed
+                             vocab=args.draft_vocab)
             if args.calibrate:
                 model.calibrate(4, last=1)  # a round feeds 1 or 2 tokens; prompts are long enough not to matter
             return model

@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from draft_worker.drafters import Draft, DraftState
+from tandem.engine import vocab
 from tandem.engine.batcher import Step
 from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.lru import KeptCaches
@@ -130,6 +131,7 @@ class _ModelDraftState:
         if best is not None and common_prefix(best.cached, context) > common_prefix(self.cached, context):
             self.cache, self.cached, best.cache, best.cached = best.cache, best.cached, self.cache, self.cached
         feed = self._fit(self, context)
+        vocab.see(self.model.model, feed)         # a trimmed output layer scores them from now on
         return _Proposal(self, context, k, feed, budget if self.params.greedy and self.grammar is None else None)
 
     @staticmethod

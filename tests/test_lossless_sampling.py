@@ -9,6 +9,7 @@ import torch
 
 from draft_worker.drafters import NgramDrafter
 from draft_worker.model import ModelDrafter
+from tandem.engine.modeling import CausalLM
 from tandem.speculation.sampling import SamplingParams, probabilities
 from tests.local import speculate
 from verify_worker.engine import VerifyEngine
@@ -68,7 +69,10 @@ CASES = [   # the first a variant (top-k is in tests/test_distribution.py's conf
     pytest.param("model", SamplingParams(temperature=1.0, top_k=4, max_new_tokens=2), marks=pytest.mark.slow),
     ("model", SamplingParams(temperature=1.5, top_p=0.8, max_new_tokens=2)),
     ("ngram", SamplingParams(temperature=3.0, top_k=5, max_new_tokens=2)),
+    # a draft scoring half the vocabulary (tandem.engine.vocab): q is 0 where p is not
+    ("trimmed", SamplingParams(temperature=1.5, top_p=0.8, max_new_tokens=2)),
 ]
+TRIMMED = 160
 
 
 @pytest.mark.parametrize("method,params", CASES)
@@ -81,7 +85,9 @@ def test_speculative_sampling_matches_target(tiny_models, tiny_pair, method, par
     prompt = lookup_friendly_prompt(target, params) if method == "ngram" else tok("def add(a, b):").input_ids
     expected = exact_two_token_distribution(target, prompt, params)
     engine = VerifyEngine(target)
-    drafter = ModelDrafter(draft) if method == "model" else NgramDrafter()
+    if method == "trimmed":
+        draft = CausalLM(str(tiny_pair[1]), batch_invariant=False, vocab=TRIMMED)
+    drafter = NgramDrafter() if method == "ngram" else ModelDrafter(draft)
     observed: dict = {}
     drafted = accepted = 0
     for seed in range(N_SAMPLES):
@@ -90,6 +96,8 @@ def test_speculative_sampling_matches_target(tiny_models, tiny_pair, method, par
         key = tuple((out + target.eos_ids * 2)[:2])    # an end-of-sequence counts as a token
         observed[key] = observed.get(key, 0) + 1
     assert drafted > 0 and 0 < accepted < drafted
+    if method == "trimmed":
+        assert sum(c for key, c in observed.items() if key[0] >= TRIMMED) > 50   # drawn from the residual
     n = sum(observed.values())
     stat, dof = chi2(observed, expected, n)
     assert dof >= 2

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from tandem.engine import gemm, rowgemm
 from tandem.engine.attention import ATTENTION, ForwardBatch
 from tandem.engine.kvpool import KVPool, SessionCache
+from tandem.engine.vocab import trim_output
 from tandem.speculation.tree import depths
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,20 @@ def dtype_problem(dtype: str, device: str) -> str | None:
     return None
 
 
-def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = True):
+def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = True, vocab: int = 0):
     """The model in `dtype` on `device`. int8 is every Linear layer's weights and inputs in int8,
     the rest in float32 (CPU only): with scales of their own rows when `batch_invariant`, so that
     like every precision here a row's result does not depend on the other rows of its pass, and
     where Tandem's int8 kernel runs (tandem.engine.rowgemm.int8), which is faster; else with a
-    scale per call (tandem.engine.gemm)."""
+    scale per call (tandem.engine.gemm). vocab: a draft's output layer keeps that many (tandem.engine.vocab)."""
     if problem := dtype_problem(dtype, device):
         raise ValueError(problem)
     load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     gemm.fuse_linears(model)
+    if vocab:
+        trim_output(model, vocab, [*AutoTokenizer.from_pretrained(path).all_special_ids,
+                                   *eos_ids(model.generation_config, model.config)])
     if dtype == "int8":
         gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.int8())
     return model
@@ -61,16 +65,16 @@ class CausalLM:
     `kv_bytes`, when given, sizes it in bytes instead. `batch_invariant`: a token's logits are the
     same whichever other tokens share its pass (tandem.engine.attention; the linear layers are so
     at every precision, tandem.engine.gemm), as a target's must be for speculation to be lossless;
-    a draft runs faster without."""
+    a draft runs faster without, and with an output layer of `vocab` tokens (`load_weights`)."""
 
     def __init__(self, spec: str, device: str = "cpu", threads: int | None = None,
                  dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0,
-                 packed_gemm: bool = True, batch_invariant: bool = True) -> None:
+                 packed_gemm: bool = True, batch_invariant: bool = True, vocab: int = 0) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
         start = time.monotonic()
-        self.model = load_weights(self.path, dtype, device, batch_invariant)
+        self.model = load_weights(self.path, dtype, device, batch_invariant, vocab)
         self.model.set_attn_implementation(ATTENTION)
         # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
         self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model, batch_invariant) > 0
@@ -290,11 +294,7 @@ def vocab_mismatch(target: str, draft: str) -> str | None:
 
 
 def eos_ids(generation_config, config) -> list[int]:
-    """The end-of-sequence ids: the generation config's (None when there is none), else the model
-    config's."""
+    """The end-of-sequence ids: the generation config's, else (where it names none) the model config's."""
     ids = getattr(generation_config, "eos_token_id", None)
-    if ids is None:
-        ids = getattr(config, "eos_token_id", None)
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+    ids = getattr(config, "eos_token_id", None) if ids is None else ids
+    return [] if ids is None else [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
