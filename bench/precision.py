@@ -16,6 +16,7 @@ applied. Its tokens/s is its own generation rate (prompt processing apart).
 
     python -m bench.precision             # 4 prompts, 96 tokens
     python -m bench.precision --quick     # 1 prompt, 24 tokens, float32 and int8 only
+    python -m bench.precision --draft-vocab 32768   # and the draft scoring part of its vocabulary
 """
 
 from __future__ import annotations
@@ -43,21 +44,26 @@ def tandem_rows(a, dtype: str, prompts: list[str]) -> dict:
     # Each method as a deployment of it runs: plain decoding and prompt lookup with no draft model
     # (the verify worker then has the cores to itself and spins for OpenMP work, tandem.launch),
     # the draft model beside the target on the same cores.
-    for draft, methods in (("none", ("none", "ngram")), (a.draft, ("model",))):
-        with Stack(a.target, draft, threads=a.threads, verify_args=["--dtype", dtype]) as stack, \
+    # With --draft-vocab, the draft model again from a stack whose draft scores part of its vocabulary.
+    layouts = [("none", ("none", "ngram"), []), (a.draft, ("model",), [])]
+    if a.draft_vocab:
+        layouts.append((a.draft, ("model",), ["--draft-vocab", str(a.draft_vocab)]))
+    for draft, methods, draft_args in layouts:
+        with Stack(a.target, draft, threads=a.threads, verify_args=["--dtype", dtype], draft_args=draft_args) as stack, \
                 grpc.insecure_channel(stack.address("gateway")) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
             for method in methods:
+                row = f"{method}, vocab {a.draft_vocab}" if draft_args else method
                 timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
                 runs = [timed_generate(stub, build_request(p, chat=True, max_new_tokens=a.max_new_tokens,
                                                            method=method))[0] for p in prompts]
                 tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
                 rounds = sum(r["rounds"] for r in runs)
-                rows[method] = {"tok_s": tokens / seconds, "tokens": tokens,
-                                "tokens_per_round": tokens / rounds if rounds else None,
-                                "texts": [r["text"] for r in runs]}
-                print(f"  tandem {dtype:8s} {method:5s}: {rows[method]['tok_s']:.2f} tok/s", flush=True)
-    return {method: rows[method] for method in METHODS}
+                rows[row] = {"tok_s": tokens / seconds, "tokens": tokens,
+                             "tokens_per_round": tokens / rounds if rounds else None,
+                             "texts": [r["text"] for r in runs]}
+                print(f"  tandem {dtype:8s} {row:5s}: {rows[row]['tok_s']:.2f} tok/s", flush=True)
+    return {row: rows[row] for row in (*METHODS, *(r for r in rows if r not in METHODS))}
 
 
 def llama_rows(a, prompts: list[str]) -> dict | str:
@@ -97,6 +103,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--dtypes", help="comma-separated target dtypes")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="also serve the draft model scoring this many token ids (draft_worker --draft-vocab)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/precision.json")
@@ -108,7 +116,7 @@ def main(argv=None) -> None:
           f"Tandem's kernel on {m['kernel']}, int8 on {m['int8_kernel']}, int8 weights in {m['int8_weight_bits']} bits",
           flush=True)
     result = {"machine": m, "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
-                                                                         "max_new_tokens", "dtypes")}}
+                                                                         "max_new_tokens", "dtypes", "draft_vocab")}}
     start = time.perf_counter()
     tandem = {dtype: tandem_rows(a, dtype, prompts) for dtype in a.dtypes.split(",")}
     llama = "skipped (--no-llama)" if a.no_llama else llama_rows(a, prompts)
