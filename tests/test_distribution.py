@@ -357,7 +357,7 @@ class _Memo:
     real model's row j of one pass over the whole sequence, computed the first time it is asked."""
 
     def __init__(self, lm) -> None:
-        self.lm, self.pool = lm, lm.pool
+        self.lm, self.pool, self.model = lm, lm.pool, lm.model
         self.vocab_size, self.eos_ids, self.max_context = lm.vocab_size, lm.eos_ids, lm.max_context
         self.rows: dict[tuple, torch.Tensor] = {}
 
