@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | kernels | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | bench-kernels | train-head | image | deploy-check
+#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | bench-kernels | bench-variants | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos kernels run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision bench-kernels image deploy-check image-check clean
+.PHONY: run-head train-head setup protos kernels run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision bench-kernels bench-variants image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,12 @@ bench-topology: setup
 TREES_ARGS ?=
 bench-trees: setup
 	$(PY) -m bench.trees $(TREES_ARGS)
+
+# Draft worker settings side by side on one verify worker, prompts interleaved (bench/variants.py);
+# VARIANTS_ARGS names them, e.g. --variant whole= --variant "vocab=--draft-vocab 32768".
+VARIANTS_ARGS ?= --variant whole= --variant "vocab=--draft-vocab 32768"
+bench-variants: setup
+	$(PY) -m bench.variants $(VARIANTS_ARGS)
 
 # The target's forward pass on Tandem's own CPU kernel against oneDNN's, by precision (bench/kernels.py).
 bench-kernels: setup
