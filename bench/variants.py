@@ -18,27 +18,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
-from pathlib import Path
 
 import grpc
 
 from bench.e2e import PROMPTS
 from bench.report import machine, timed_generate, write_json
 from tandem.client import build_request
+from tandem.head import prompts as head_prompts
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-HELD_OUT = Path(__file__).resolve().parent.parent / "tandem" / "head" / "prompts.jsonl"
-
-
 def prompt_sets(per_set: int) -> list[tuple[str, str]]:
     """(set, prompt): the coding prompts of bench/e2e.py, then `per_set` held-out chat and code prompts."""
-    rows = [json.loads(line) for line in HELD_OUT.read_text().splitlines() if line.strip()]
-    held = [r for r in rows if r["split"] == "heldout"]
-    chat = [r["messages"][0]["content"] for r in held if r["kind"] != "code"][:per_set]
-    code = [r["messages"][0]["content"] for r in held if r["kind"] == "code"][:per_set]
+    chat, code = ([r["messages"][0]["content"] for r in head_prompts.load("heldout", kind)][:per_set]
+                  for kind in ("chat", "code"))
     return [*(("e2e", p) for p in PROMPTS[:per_set]), *(("chat", p) for p in chat), *(("code", p) for p in code)]
 
 
