@@ -23,6 +23,7 @@ from tandem.engine.modeling import CausalLM
 from tandem.speculation import tree
 from tandem.speculation.drafting import Drawn, RowDrafter, second_choices
 from tandem.speculation.grammar import Matcher
+from tandem.speculation.ngram import lookup
 from tandem.speculation.sampling import SamplingParams, make_generator
 from tandem.speculation.tree import TreeBudget
 
@@ -39,10 +40,12 @@ class ModelDrafter:
     name = "model"
     uses_model = True
     MIN_SHARED = 16
+    LOOKUP_NGRAM = 2
 
-    def __init__(self, model: CausalLM, confidence: float = 0.0, keep_share: float = 0.25) -> None:
+    def __init__(self, model: CausalLM, confidence: float = 0.0, keep_share: float = 0.25,
+                 lookup_tokens: int = 0) -> None:
         self.model = model
-        self.confidence = confidence
+        self.confidence, self.lookup_tokens = confidence, lookup_tokens
         self.keep_tokens = int(keep_share * model.pool.slots)
         self._live: weakref.WeakSet[_ModelDraftState] = weakref.WeakSet()
         self._kept: KeptCaches[tuple[list[int], SessionCache]] = KeptCaches(lambda kept: kept[1])
@@ -106,7 +109,7 @@ class _ModelDraftState:
             self.drafter.share(self, context)
         proposal = self._begin(context, k, budget)
         while rows := proposal.rows():
-            for row, logits in zip(rows, self.model.forward_batch([(r.line.cache, r.feed, 1) for r in rows])):
+            for row, logits in zip(rows, self.model.forward_batch([(r.line.cache, *r.input()) for r in rows])):
                 row.take(logits)
         return proposal.draft()
 
@@ -117,7 +120,7 @@ class _ModelDraftState:
             await batcher.between_passes(self.drafter.share, self, context)
         proposal = self._begin(context, k, budget)
         while rows := proposal.rows():
-            await asyncio.gather(*(batcher.forward(Step(r.line.cache, r.feed, 1, r.take, returns=True)) for r in rows))
+            await asyncio.gather(*(batcher.forward(Step(r.line.cache, *r.input(), r.take, returns=True)) for r in rows))
         for line in [self, *self.lines]:
             batcher.leave(line.cache)              # nothing more until the verdict comes back
         return proposal.draft()
@@ -181,7 +184,7 @@ class _Line:
 
 
 class _Row:
-    """One line of a proposal being drafted: `take` turns each step's logits into a token (through
+    """One line of a proposal being drafted: `take` turns each step's logits into tokens (through
     the request's pipeline and guide, tandem.speculation.drafting) and sets what to feed next
     (nothing when the line is complete). Runs on the inference thread."""
 
@@ -191,17 +194,40 @@ class _Row:
         self.proposal, self.line, self.feed, self.most, self.reach = proposal, line, feed, most, reach
         self.rows = RowDrafter(context, st.prompt_len, st.params, st.eos_ids, st.grammar, st.generator, want_prob=True)
         self.drawn: list[Drawn] = []
+        self.seed: list[int] = []
+
+    def input(self) -> tuple[list[int], int]:
+        """The next step's tokens and the logits rows it keeps: the feed, then the seed (what a
+        prompt lookup says this line drafts next; the main line of a chain only), a row each."""
+        st = self.proposal.state
+        room = min(st.drafter.lookup_tokens, self.most - len(self.rows.tokens) - 1,
+                   st.model.max_context - self.line.cache.length - len(self.feed))
+        full = [*self.proposal.context, *self.rows.tokens]
+        self.seed = (lookup(full, room, min_ngram=st.drafter.LOOKUP_NGRAM)[0]
+                     if room > 0 and self is self.proposal.main and self.proposal.budget is None else [])
+        return self.feed + self.seed, 1 + len(self.seed)
 
     def take(self, logits: torch.Tensor) -> None:
+        """Row i of logits follows the feed and the seed's first i tokens: it is drawn from while
+        every draw before it equalled the seed; the seed's tokens after the last row drawn from
+        leave the cache."""
         st = self.proposal.state
+        seed, self.seed = self.seed, []
         self.line.cached.extend(self.feed)
-        drawn = self.rows.take(logits)
-        if drawn is not None:
-            self.drawn.append(drawn)
-        self.feed = [] if (drawn is None or len(self.rows.tokens) >= self.most or drawn.token in st.eos_ids
-                           or drawn.prob < st.confidence) else [drawn.token]
-        if drawn is not None:
-            self.proposal.grown(self, drawn)
+        for i, row in enumerate(logits.reshape(-1, logits.shape[-1])):
+            if i:
+                self.line.cached.append(seed[i - 1])
+            drawn = self.rows.take(row)
+            if drawn is not None:
+                self.drawn.append(drawn)
+            self.feed = [] if (drawn is None or len(self.rows.tokens) >= self.most or drawn.token in st.eos_ids
+                               or drawn.prob < st.confidence) else [drawn.token]
+            if drawn is not None:
+                self.proposal.grown(self, drawn)
+            if not self.feed or i >= len(seed) or drawn.token != seed[i]:
+                break
+        if seed:
+            self.line.cache.crop(len(self.line.cached))
 
 
 class _Proposal:

@@ -192,3 +192,42 @@ def test_packing_swaps_float32_linears_only(tiny_pair, tmp_path):
     assert packed.invariant and int8.invariant and bf16.invariant and not stock.invariant
     assert CausalLM(str(tiny_pair[1]), dtype="int8", packed_gemm=False).invariant
     assert not CausalLM(str(tiny_pair[1]), batch_invariant=False).invariant
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=60),
+                                    SamplingParams(max_new_tokens=60, temperature=0.8, seed=7)], ids=["greedy", "sampled"])
+def test_lookup_seeded_steps_propose_the_same_tokens_in_fewer_passes(tiny_models, params):
+    """A draft step that also feeds what a prompt lookup predicts takes as many of its next tokens
+    from that one pass as agree with the lookup: along one session's growing context (each
+    proposal's first half kept, then a token of its own), the proposals equal a token-a-step
+    draft's, sampled ones drawn with the same random numbers, in fewer forward passes."""
+    target, draft = tiny_models
+    prompt = [3, 17, 42, 9, 3, 17, 42, 9, 3, 17]
+    passes = {}
+    counted = draft.forward_batch
+
+    def proposals(lookup_tokens: int) -> list[list[int]]:
+        state = ModelDrafter(draft, lookup_tokens=lookup_tokens).start(params, target.eos_ids, len(prompt))
+        context, out, n = list(prompt), [], 0
+
+        def counting(items, *a):
+            nonlocal n
+            n += 1
+            return counted(items, *a)
+        draft.forward_batch = counting
+        try:
+            for i in range(12):
+                tokens = state.propose(context, 8).tokens
+                out.append(tokens)
+                context += tokens[:len(tokens) // 2] + [(i * 7) % 50 if i % 3 else tokens[-1]]
+            assert state.cache.length == len(state.cached)
+        finally:
+            del draft.forward_batch
+            state.close()
+        passes[lookup_tokens] = n
+        return out
+
+    plain = proposals(0)
+    assert proposals(4) == plain
+    assert sum(map(len, plain)) > 40
+    assert passes[4] < passes[0]
