@@ -17,9 +17,9 @@ static routing (and a draft worker) of its own, so that a request picks its layo
   takes the draft's second choice where it was unsure, the continuation drafted for it goes out at once);
 - link-Nms: split-ahead, dialing the verify worker through tandem.linkproxy (--verify-route) with
   N ms of one-way delay, set before each run;
-- with --draft-vocab N, a twin of each chosen layout but plain and the links, named with "-vocab",
-  whose draft model scores part of its vocabulary (the draft worker's --draft-vocab N; pairs whose
-  draft has no model leave the twins out).
+- with --twin NAME=FLAGS (repeatable), a twin of each chosen layout but plain and the links, named
+  with "-NAME", whose draft worker takes FLAGS besides (say --draft-lookup 4; pairs whose draft has
+  no model leave the twins out).
 
 The layouts run in a row per prompt (--streams S: S requests at once, the prompts in turn), the
 order reversed every other row, so that a host whose speed drifts favours none. Before each row a
@@ -35,7 +35,7 @@ outputs must equal plain's for the same prompt and streams: checked, loudly.
     python -m bench.topology                 # both pairs, streams 1 and 4, every layout
     python -m bench.topology --quick         # SmolLM2 + n-gram, 2 prompts, 1 stream, 24 tokens
     python -m bench.topology --pair qwen --prompts 1 --streams 1 --layouts plain,co-located,split
-    python -m bench.topology --pair qwen --streams 1 --layouts co-located,split-ahead --delays '' --draft-vocab 32768
+    python -m bench.topology --pair qwen --streams 1 --layouts co-located,split-ahead --delays '' --twin "lookup=--draft-lookup 4"
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.e2e import PROMPTS
 from bench.load import PAIRS, cpu_seconds, fmt, scrape
 from bench.report import fill_defaults, machine, write_json
+from bench.variants import parse_variant
 from tandem.client import build_request
 from tandem.cpus import cpu_sets, parse_cpu_list
 from tandem.launch import Stack
@@ -83,8 +84,7 @@ def chosen_layouts(a) -> list[str]:
     unknown = sorted(set(names) - {*BASE, *links})
     if unknown:
         raise SystemExit(f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join([*BASE, *links, 'link'])}")
-    if a.draft_vocab:
-        names = [y for x in names for y in ([x, f"{x}-vocab"] if x in BASE[1:] else [x])]
+    names = [y for x in names for y in ([x, *(f"{x}-{t}" for t in a.twin)] if x in BASE[1:] else [x])]
     return list(dict.fromkeys(names))
 
 
@@ -112,11 +112,11 @@ def start_layouts(stack: Stack, names: list[str], a, proxy) -> dict[str, Layout]
     for name in names:
         if name == "plain":
             out[name] = Layout(name, gateway(None), None)
-        elif (base := name.removesuffix("-vocab")) in BASE:
-            vocab = ["--draft-vocab", str(a.draft_vocab)] if base != name else []
+        elif name in BASE or name.rpartition("-")[0] in BASE:
+            base, twin = (name, "") if name in BASE else name.rpartition("-")[::2]
             draft = stack.add_worker("draft_worker", cpus=a.verify_cpus if base == "co-located" else a.other_cpus,
                                      extra_args={"split-stream": ["--pipeline", "--no-prepare"],
-                                                 "split-ahead": ["--pipeline"]}.get(base, []) + vocab)
+                                                 "split-ahead": ["--pipeline"]}.get(base, []) + a.twin.get(twin, []))
             out[name] = Layout(name, gateway(draft), draft)
     if links:
         try:
@@ -178,7 +178,7 @@ def run_pair(pair: str, names: list[str], a) -> tuple[list[dict], dict[str, list
     """Every run of one pair, and the CPUs each process's threads may use (checked, not assumed)."""
     target, draft, method = PAIRS[pair]
     if method != "model":
-        names = [n for n in names if not n.endswith("-vocab")]
+        names = [n for n in names if n in BASE or n.startswith("link-")]
     print(f"\n{pair}: {target} + draft {draft} ({method}); layouts {', '.join(names)}", flush=True)
     cpus = {"verify_worker": a.verify_cpus, "draft_worker": a.other_cpus, "gateway": a.other_cpus}
     runs, client_cpus, proxy = [], os.sched_getaffinity(0), None
@@ -321,8 +321,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=600, help="deadline of each request, seconds")
     p.add_argument("--verify-cpus", default="0", help="the verify worker's CPU list")
     p.add_argument("--other-cpus", default="1", help="CPU list of the gateways, split draft workers, this client")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="also each draft layout with its draft model scoring N token ids (see the draft worker's flag)")
+    p.add_argument("--twin", action="append", type=parse_variant, default=[], metavar="NAME=FLAGS",
+                   help="also each draft layout with its draft worker taking FLAGS, named with -NAME (repeatable)")
     p.add_argument("--out", default="bench/results/topology.json")
     a = p.parse_args(argv)
     fill_defaults(a, QUICK, FULL)
@@ -330,6 +330,7 @@ def main(argv=None) -> None:
     a.streams = [int(s) for s in str(a.streams).split(",")]
     a.delays = [float(d) for d in a.delays.split(",") if d.strip()]
     a.prompts = min(a.prompts, len(PROMPTS))
+    a.twin = dict(a.twin)
     names = chosen_layouts(a)
     try:
         cpu_sets({"verify_worker": a.verify_cpus, "draft_worker": a.other_cpus})
@@ -337,8 +338,6 @@ def main(argv=None) -> None:
         p.error(f"--verify-cpus/--other-cpus: {e}")
     if min(a.streams) < 1 or a.prompts < 1:
         p.error("--streams and --prompts must be >= 1")
-    if a.draft_vocab < 0:
-        p.error(f"--draft-vocab must be 0 (off) or a number of token ids, got {a.draft_vocab}")
 
     runs, affinities = [], {}
     for pair in pairs:

@@ -79,10 +79,11 @@ class DraftState(Protocol):
     inference thread when the worker batches nothing."""
     inline: bool
     # budget: propose a token tree within it (Draft.parents) where the drafter has alternatives;
-    # None: a chain
-    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None) -> Draft: ...
+    # None: a chain. steps: at most this many of the drafter's forward passes (0: as many as k
+    # takes); a drafter without steps proposes all it can at once and ignores it
+    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None, steps: int = 0) -> Draft: ...
     async def propose_batched(self, batcher, context: list[int], k: int,
-                              budget: TreeBudget | None = None) -> Draft: ...
+                              budget: TreeBudget | None = None, steps: int = 0) -> Draft: ...
     def kv_bytes(self) -> int: ...
     def close(self) -> None: ...
 
@@ -113,7 +114,7 @@ class NgramDrafter:
               room: int = proposal_room(), grammar: Matcher | None = None) -> DraftState:
         return self
 
-    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None) -> Draft:
+    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None, steps: int = 0) -> Draft:
         """What followed the latest occurrence; with a budget, what followed other occurrences too,
         where it differs, as branches (tandem.speculation.ngram.lookup_tree)."""
         if budget is None:
@@ -123,7 +124,8 @@ class NgramDrafter:
                                          self.max_ngram, self.min_ngram)
         return Draft(follow, kind=n, parents=parents) if follow else Draft([])
 
-    async def propose_batched(self, batcher, context: list[int], k: int, budget: TreeBudget | None = None) -> Draft:
+    async def propose_batched(self, batcher, context: list[int], k: int, budget: TreeBudget | None = None,
+                              steps: int = 0) -> Draft:
         return self.propose(context, k, budget)
 
     def kv_bytes(self) -> int:

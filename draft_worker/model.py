@@ -4,6 +4,9 @@ rolls it back to the longest prefix it shares with each new context; with a tree
 proposal also drafts branches at the draft's second choices in the same forward passes, each on a
 cache of its own (a line), and the next proposal takes as its own whichever line the verdict
 followed furthest.
+
+Longer than 300 lines because the drafter, a session's lines and a proposal's rows keep one rule
+for what each cache holds, and are read together.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tandem.engine.batcher import Step
 from tandem.engine.kvpool import KVPoolFull, SessionCache, common_prefix, copy_longest_prefix, kv_need, proposal_room
 from tandem.engine.lru import KeptCaches
 from tandem.engine.modeling import CausalLM
+from tandem.service import metrics
 from tandem.speculation import tree
 from tandem.speculation.drafting import Drawn, RowDrafter, second_choices
 from tandem.speculation.grammar import Matcher
@@ -102,40 +106,42 @@ class _ModelDraftState:
         self.lines: list[_Line] = []             # the caches of earlier proposals' branches
         self.generator = make_generator(params.seed, stream=1)
 
-    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None) -> Draft:
-        """k tokens (fewer after an end-of-sequence or an unconfident one), one forward pass each;
-        with a budget, a tree: branches drafted in the same passes (see _Proposal)."""
+    def propose(self, context: list[int], k: int, budget: TreeBudget | None = None, steps: int = 0) -> Draft:
+        """k tokens (fewer after an end-of-sequence or an unconfident one, or when `steps` forward
+        passes are done), one forward pass each unless a lookup's tokens are agreed with; with a
+        budget, a tree: branches drafted in the same passes (see _Proposal)."""
         if not self.cached and k > 0:
             self.drafter.share(self, context)
-        proposal = self._begin(context, k, budget)
+        proposal = self._begin(context, k, budget, steps)
         while rows := proposal.rows():
             for row, logits in zip(rows, self.model.forward_batch([(r.line.cache, *r.input()) for r in rows])):
                 row.take(logits)
         return proposal.draft()
 
-    async def propose_batched(self, batcher, context: list[int], k: int, budget: TreeBudget | None = None) -> Draft:
+    async def propose_batched(self, batcher, context: list[int], k: int, budget: TreeBudget | None = None,
+                              steps: int = 0) -> Draft:
         """As propose, each step going through `batcher` so that it shares a forward pass with the
         other sessions' steps."""
         if not self.cached and k > 0:
             await batcher.between_passes(self.drafter.share, self, context)
-        proposal = self._begin(context, k, budget)
+        proposal = self._begin(context, k, budget, steps)
         while rows := proposal.rows():
             await asyncio.gather(*(batcher.forward(Step(r.line.cache, *r.input(), r.take, returns=True)) for r in rows))
         for line in [self, *self.lines]:
             batcher.leave(line.cache)              # nothing more until the verdict comes back
         return proposal.draft()
 
-    def _begin(self, context: list[int], k: int, budget: TreeBudget | None) -> _Proposal:
+    def _begin(self, context: list[int], k: int, budget: TreeBudget | None, steps: int = 0) -> _Proposal:
         """Takes as its own the line (this state's, or a branch's of an earlier proposal) that
         shares the longest prefix with context, and rolls it back to that prefix."""
         if k <= 0:
-            return _Proposal(self, context, 0, [], None)
+            return _Proposal(self, context, 0, [], None, steps)
         best = max(self.lines, key=lambda line: common_prefix(line.cached, context), default=None)
         if best is not None and common_prefix(best.cached, context) > common_prefix(self.cached, context):
             self.cache, self.cached, best.cache, best.cached = best.cache, best.cached, self.cache, self.cached
         feed = self._fit(self, context)
         vocab.see(self.model.model, feed)         # a trimmed output layer scores them from now on
-        return _Proposal(self, context, k, feed, budget if self.params.greedy and self.grammar is None else None)
+        return _Proposal(self, context, k, feed, budget if self.params.greedy and self.grammar is None else None, steps)
 
     @staticmethod
     def _fit(line, context: list[int]) -> list[int]:
@@ -195,6 +201,7 @@ class _Row:
         self.rows = RowDrafter(context, st.prompt_len, st.params, st.eos_ids, st.grammar, st.generator, want_prob=True)
         self.drawn: list[Drawn] = []
         self.seed: list[int] = []
+        self.steps = 0
 
     def input(self) -> tuple[list[int], int]:
         """The next step's tokens and the logits rows it keeps: the feed, then the seed (what a
@@ -214,6 +221,7 @@ class _Row:
         st = self.proposal.state
         seed, self.seed = self.seed, []
         self.line.cached.extend(self.feed)
+        before = len(self.line.cached)
         for i, row in enumerate(logits.reshape(-1, logits.shape[-1])):
             if i:
                 self.line.cached.append(seed[i - 1])
@@ -227,7 +235,13 @@ class _Row:
             if not self.feed or i >= len(seed) or drawn.token != seed[i]:
                 break
         if seed:
+            agreed = len(self.line.cached) - before
+            metrics.LOOKUP.labels("agreed").inc(agreed)
+            metrics.LOOKUP.labels("void").inc(len(seed) - agreed)
             self.line.cache.crop(len(self.line.cached))
+        self.steps += 1
+        if self.steps == self.proposal.steps:
+            self.feed = []
 
 
 class _Proposal:
@@ -239,8 +253,8 @@ class _Proposal:
     the main line, while its estimate still beats the floor, never deeper than k."""
 
     def __init__(self, state: _ModelDraftState, context: list[int], k: int, feed: list[int],
-                 budget: TreeBudget | None) -> None:
-        self.state, self.context, self.k, self.budget = state, context, k, budget
+                 budget: TreeBudget | None, steps: int = 0) -> None:
+        self.state, self.context, self.k, self.budget, self.steps = state, context, k, budget, steps
         self.main = _Row(self, state, context, feed, k)
         self.branches: list[tuple[int, _Row]] = []       # (where it forks off the main line, its row)
         for line in state.lines:

@@ -242,21 +242,21 @@ class Speculation:
                                   proposal_room(self.opened.max_proposal))
 
     def propose(self, tokens: list[int], k: int, state: DraftState | None = None,
-                budget: TreeBudget | None = None) -> asyncio.Future:
+                budget: TreeBudget | None = None, steps: int = 0) -> asyncio.Future:
         """The drafter's proposal of up to k tokens after `tokens` (from `state`, by default the
-        request's; a tree within `budget` when given), and the seconds it took, as a future."""
+        request's; a tree within `budget`, in at most `steps` passes, when given) and its seconds."""
         state, drafting = state or self.state, self.drafting
         if state.inline:
             start = time.perf_counter()
             done = asyncio.get_running_loop().create_future()
-            done.set_result((state.propose(tokens, k, budget), time.perf_counter() - start))
+            done.set_result((state.propose(tokens, k, budget, steps), time.perf_counter() - start))
             return done
         if drafting.batcher is None:
-            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k, budget))
+            return asyncio.ensure_future(drafting.inference.run_timed(state.propose, tokens, k, budget, steps))
 
         async def batched():
             start = time.perf_counter()
-            return await state.propose_batched(drafting.batcher, tokens, k, budget), time.perf_counter() - start
+            return await state.propose_batched(drafting.batcher, tokens, k, budget, steps), time.perf_counter() - start
         return asyncio.ensure_future(batched())
 
     async def _send(self, draft: Draft, run: int = 1) -> tuple[pb.Verdict, float]:

@@ -3,7 +3,8 @@ the target verifies, each drafted token sent the moment it exists, so that a dra
 of its own works while the verify pool does, and a link's round trip is not paid per round.
 
 Two tasks per request. The drafting task extends the run (the tokens sent and not yet judged) one
-model step at a time, or by a whole n-gram continuation, and sends each as a piece. It drafts on
+drafter step at a time (a model's step: a token, or more where it agrees with a prompt lookup's;
+an n-gram step: a whole continuation), and sends each as a piece. It drafts on
 past tokens it is unsure of (whatever it drafts while the target verifies costs the target nothing
 until it arrives, and is void if a verdict goes another way), and pauses when the run holds two
 passes' worth (a pass: the request's k, or the verify worker's most) or when it has nothing to
@@ -53,7 +54,7 @@ class Speculation(Protocol):
     call: object                  # the verify stream
 
     async def read(self) -> pb.VerifyResponse: ...
-    def propose(self, tokens: list[int], k: int, state: DraftState | None = None) -> asyncio.Future: ...
+    def propose(self, tokens: list[int], k: int, state: DraftState | None = None, steps: int = 0) -> asyncio.Future: ...
     def start_state(self) -> DraftState: ...
     def chunk(self, verdict: pb.Verdict, drafted: int, accepted: int) -> pb.TokenChunk: ...
 
@@ -206,7 +207,7 @@ class Streaming:
                 if room <= 0 and not growing:
                     await self._next_verdict(seen)
                     continue
-                jobs = [spec.propose(context, 1 if spec.drafter.uses_model else room)] if room > 0 else []
+                jobs = [spec.propose(context, room, steps=1)] if room > 0 else []
                 forks = [context[:b.at] + [b.alt] + b.run for b in growing]
                 jobs += [spec.propose(fork, 1, b.state) for fork, b in zip(forks, growing)]
                 drafts = [d for d, _ in await asyncio.gather(*jobs)]

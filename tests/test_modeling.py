@@ -231,3 +231,23 @@ def test_lookup_seeded_steps_propose_the_same_tokens_in_fewer_passes(tiny_models
     assert proposals(4) == plain
     assert sum(map(len, plain)) > 40
     assert passes[4] < passes[0]
+
+
+def test_a_proposal_of_one_step_takes_one_pass_and_the_tokens_it_agrees_with(tiny_models):
+    """steps=1 (a streamed run's step): one token without a lookup, and with one as many as the
+    pass agrees with, the start of the same proposal drafted without a limit."""
+    target, draft = tiny_models
+    params = SamplingParams(max_new_tokens=40)
+    prompt = [3, 17, 42, 9, 3, 17, 42, 9, 3, 17]
+    whole = ModelDrafter(draft, confidence=0.0).start(params, target.eos_ids, len(prompt)).propose(prompt, 8).tokens
+    assert len(ModelDrafter(draft).start(params, target.eos_ids, len(prompt)).propose(prompt, 8, steps=1).tokens) == 1
+    seeded = ModelDrafter(draft, confidence=0.0, lookup_tokens=4).start(params, target.eos_ids, len(prompt))
+    context, drafted, steps = list(prompt), [], 0
+    while len(drafted) < len(whole):
+        step = seeded.propose(context, len(whole) - len(drafted), steps=1).tokens
+        assert 1 <= len(step) <= 5
+        drafted += step
+        context += step
+        steps += 1
+    assert drafted == whole
+    assert steps < len(whole)

@@ -156,7 +156,7 @@ class _Scripted:
     async def read(self) -> ipb.VerifyResponse:
         return ipb.VerifyResponse(verdict=await self.verdicts.get())
 
-    def propose(self, tokens: list[int], k: int, state=None) -> asyncio.Future:
+    def propose(self, tokens: list[int], k: int, state=None, steps: int = 0) -> asyncio.Future:
         async def one():
             await asyncio.sleep(0.001)
             last = tokens[-1]
@@ -327,6 +327,27 @@ async def test_prepared_continuations_are_taken_and_the_output_stays_the_targets
     assert prepared("hit") > hits, "no verdict took a prepared continuation"
     assert await wait_until_idle(streaming) == (0, 0)
     assert streaming.draft.drafting.branch_rows.free == 2, "a finished request kept its branch rows"
+
+
+@pytest.mark.service
+async def test_streamed_steps_that_agree_with_a_prompt_lookup_keep_the_output_the_targets(streaming, oracle):
+    """--draft-lookup 4: a step, streamed or of a chain, takes every token of the lookup the draft
+    agrees with."""
+    drafter = streaming.draft.drafters["model"]
+    drafter.lookup_tokens = 4
+    try:
+        for pipeline in (True, False):
+            streaming.draft.drafting.pipeline = pipeline
+            agreed = metrics.LOOKUP.labels("agreed")._value.get()
+            stub = pb_grpc.GenerationServiceStub(streaming.channel)
+            for prompt in PROMPTS:
+                r = await stub.Generate(build_request(prompt, max_new_tokens=NEW, method="model", k=8), timeout=60)
+                assert r.text == generate(oracle, prompt, NEW), pipeline
+            assert metrics.LOOKUP.labels("agreed")._value.get() > agreed, f"no step took a lookup's token ({pipeline})"
+    finally:
+        drafter.lookup_tokens = 0
+        streaming.draft.drafting.pipeline = True
+    assert await wait_until_idle(streaming) == (0, 0)
 
 
 @pytest.mark.service

@@ -107,6 +107,9 @@ SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos"
 STREAMED = Counter("tandem_draft_streamed_tokens", "Streamed proposals (--pipeline): tokens sent to the verify "
                    "worker as drafted (sent), and of those, the ones a verdict voided before they were judged "
                    "(void: drafted after a token the target did not take)", ["outcome"], registry=_NO)
+LOOKUP = Counter("tandem_draft_lookup_tokens", "Draft model steps that also fed a prompt lookup's tokens "
+                 "(--draft-lookup): the lookup's tokens the draft agreed with (agreed: a draft step saved each) "
+                 "and those it did not (void: fed and dropped)", ["outcome"], registry=_NO)
 PREPARED = Counter("tandem_draft_prepared_continuations", "Streamed proposals (--pipeline): continuations "
                    "prepared after the draft's second choice at a token it was unsure of, by how a verdict "
                    "judged them (hit: the target took the second choice there, and the continuation went "
@@ -157,7 +160,7 @@ _OWNED = {
     "gateway": [REQUESTS, TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING, MIGRATIONS,
                 NUMERICS_SWITCHES, FALLBACKS, LINK_FALLBACKS, VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE],
     "draft_worker": [DRAFT_QUEUE, DRAFT_RUNNING, ROUND_TRIP, PROPOSE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
-                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, PREPARED, TREE_ROUNDS, INFERENCE_BUSY, LINK_EVENTS],
+                     SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, STREAMED, LOOKUP, PREPARED, TREE_ROUNDS, INFERENCE_BUSY, LINK_EVENTS],
     "verify_worker": [VERIFY_QUEUE, VERIFY_RUNNING, VERIFY_IDLE, KV_USED, KV_BUDGET, KV_USAGE, EVICTIONS,
                       PREFILL_TOKENS, VERIFY_SECONDS, PASS_SECONDS, ADMISSION_WAITING, BATCH_SESSIONS, BATCH_TOKENS,
                       KV_POOL_BYTES, TOKEN_COST, BUSY_SECONDS, INFERENCE_BUSY],
