@@ -33,9 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(parser, "--adaptive-k", default=True, type=bool,
              help="per round, speculate or decode plainly (k = 0), whichever gives more tokens per second; "
                   "greedy requests only")
-    add_flag(parser, "--confidence", default=0.4, type=float,
+    add_flag(parser, "--confidence", default=0.6, type=float,
              help="stop a proposal early after a token the draft gives less than this probability")
-    add_flag(parser, "--draft-lookup", default=0, type=int,
+    add_flag(parser, "--draft-lookup", default=4, type=int,
              help="each draft model step of a chain also feeds up to N tokens that a prompt lookup says the draft "
                   "drafts next, and takes from that one pass as many of its own next tokens as agree: the same "
                   "proposal in fewer steps. 0: a token a step")
