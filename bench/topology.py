@@ -109,14 +109,15 @@ def start_layouts(stack: Stack, names: list[str], a, proxy) -> dict[str, Layout]
     def gateway(draft: str | None) -> str:
         return stack.add_gateway(["--verify-workers", verify, "--draft-workers", stack.address(draft) if draft else ""])
 
+    kinds = {**{b: (b, []) for b in BASE}, **{f"{b}-{t}": (b, flags) for b in BASE for t, flags in a.twin.items()}}
     for name in names:
         if name == "plain":
             out[name] = Layout(name, gateway(None), None)
-        elif name in BASE or name.rpartition("-")[0] in BASE:
-            base, twin = (name, "") if name in BASE else name.rpartition("-")[::2]
+        elif name in kinds:
+            base, twin_flags = kinds[name]
             draft = stack.add_worker("draft_worker", cpus=a.verify_cpus if base == "co-located" else a.other_cpus,
                                      extra_args={"split-stream": ["--pipeline", "--no-prepare"],
-                                                 "split-ahead": ["--pipeline"]}.get(base, []) + a.twin.get(twin, []))
+                                                 "split-ahead": ["--pipeline"]}.get(base, []) + twin_flags)
             out[name] = Layout(name, gateway(draft), draft)
     if links:
         try:

@@ -29,6 +29,7 @@ from tandem.head import prompts as head_prompts
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
+
 def prompt_sets(per_set: int) -> list[tuple[str, str]]:
     """(set, prompt): the coding prompts of bench/e2e.py, then `per_set` held-out chat and code prompts."""
     chat, code = ([r["messages"][0]["content"] for r in head_prompts.load("heldout", kind)][:per_set]

@@ -45,8 +45,8 @@ class ModelDrafter:
     uses_model = True
     MIN_SHARED = 16
     LOOKUP_NGRAM = 2
-    LOOKUP_WINDOW = 4096   # a lookup searches the line's last tokens only: a step's search stays under a
-                           # millisecond (the whole of a 32k context: about 7 ms, a fifth of a draft step)
+    LOOKUP_WINDOW = 4096   # a lookup searches the line's last tokens only, so a step's search stays far
+                           # shorter than the step (docs/benchmarks.md, the code's rules)
 
     def __init__(self, model: CausalLM, confidence: float = 0.0, keep_share: float = 0.25,
                  lookup_tokens: int = 0) -> None:
@@ -208,12 +208,12 @@ class _Row:
     def input(self) -> tuple[list[int], int]:
         """The next step's tokens and the logits rows it keeps: the feed, then the seed (what a
         prompt lookup says this line drafts next; the main line of a chain only), a row each."""
-        st = self.proposal.state
+        st, self.seed = self.proposal.state, []
         room = min(st.drafter.lookup_tokens, self.most - len(self.rows.tokens) - 1,
                    st.model.max_context - self.line.cache.length - len(self.feed))
-        recent = [*self.proposal.context[-st.drafter.LOOKUP_WINDOW:], *self.rows.tokens]
-        self.seed = (lookup(recent, room, min_ngram=st.drafter.LOOKUP_NGRAM)[0]
-                     if room > 0 and self is self.proposal.main and self.proposal.budget is None else [])
+        if room > 0 and self is self.proposal.main and self.proposal.budget is None:
+            recent = [*self.proposal.context[-st.drafter.LOOKUP_WINDOW:], *self.rows.tokens]
+            self.seed = lookup(recent, room, min_ngram=st.drafter.LOOKUP_NGRAM)[0]
         return self.feed + self.seed, 1 + len(self.seed)
 
     def take(self, logits: torch.Tensor) -> None:
