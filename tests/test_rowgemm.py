@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not rowgemm.available(), reason="the kernel is not built, or this CPU cannot run it")]
 
 # rows: one (a decode step), the kernel's row blocks (AVX-512: 6, AVX2: 3) and around them, a prefill's worth
-ROWS = (1, 2, 5, 6, 7, 13, 70)
+ROWS = (1, 2, 5, 6, 7, 13, 16, 17, 70)
 
 
 def alone(x: torch.Tensor, packed, out: int, **kw) -> torch.Tensor:
@@ -60,8 +60,8 @@ def test_bfloat16_inputs_in_pairs():
     assert all(torch.equal(rowgemm.linear(x[:n], packed, 130), lone[:n]) for n in ROWS)
 
 
-# the int8 ISAs this CPU runs (rowgemm.sums_int8's `which`): AVX2, and AVX512-VNNI where it has it
-INT8_ISAS = [1, 2][:("none", "avx2", "avx512-vnni").index(rowgemm.int8_isa())]
+# the int8 ISAs this CPU runs (rowgemm.sums_int8's `which`): AVX2, and AVX512-VNNI and AMX-INT8 where it has them
+INT8_ISAS = [1, 2, 3][:("none", "avx2", "avx512-vnni", "amx-int8").index(rowgemm.int8_isa())]
 
 
 @pytest.mark.skipif(not rowgemm.int8(), reason="needs AVX2 or AVX512-VNNI")
@@ -115,9 +115,9 @@ def test_a_wrong_input_is_refused_with_its_reason():
     with pytest.raises(RuntimeError, match="weights are float32 or bfloat16"):
         rowgemm.pack(torch.zeros(4, 4, dtype=torch.float16))
     if rowgemm.int8():
-        with pytest.raises(RuntimeError, match=r"int8 ISA 3 \(1 AVX2, 2 AVX512-VNNI\) is beyond this CPU's"):
+        with pytest.raises(RuntimeError, match=r"int8 ISA 4 \(1 AVX2, 2 AVX512-VNNI, 3 AMX-INT8\) is beyond this CPU's"):
             packed = rowgemm.pack_int8(torch.zeros(64, 8, dtype=torch.int8))
-            rowgemm.sums_int8(torch.zeros(1, 8, dtype=torch.uint8), packed, 64, which=3)
+            rowgemm.sums_int8(torch.zeros(1, 8, dtype=torch.uint8), packed, 64, which=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ other sessions' tokens): otherwise speculation, batching and load change the out
   another order, so a one-row call is padded to two), and is faster than torch's stock kernel.
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
-  int8 recipe does), multiplied in integers on Tandem's kernel (AVX512-VNNI or AVX2), else by
+  int8 recipe does), multiplied in integers on Tandem's kernel (AMX-INT8 tiles, AVX512-VNNI or AVX2), else by
   oneDNN on the weight packed once (`onednn.qlinear_pointwise`, input scale 1). Integer sums are
   exact in any order and the scales are per row, so no other row can change a row's result, and
   both kernels give the same numbers, in the weights' bits (`int8_weight_bits`). `torch._int_mm`

@@ -11,7 +11,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -45,20 +48,22 @@ void by_rows(const W* w, const X* x, int64_t ldx, C* c, int64_t ldc, int64_t m, 
 
 // Every tile of outputs, split among threads: its k-blocks in order, each block's `rows` over all
 // m rows (`unit` inputs per step of `rows`: 1, a pair or four), then done(tile). Every layout
-// here starts a tile's block at (tile * k + k0) * NB.
-template <typename W, typename X, typename C, typename Rows, typename Done>
+// here starts a tile's block at (tile * k + k0) * NB. A thread calls finish() when its share is done.
+template <typename W, typename X, typename C, typename Rows, typename Done, typename Finish>
 void over_tiles(const W* w, const X* x, C* c, int64_t m, int64_t k, int64_t tiles, int64_t unit, Rows rows,
-                Done done) {
+                Done done, Finish finish) {
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       for (int64_t k0 = 0; k0 < k; k0 += KB)
         rows(w + (t * k + k0) * NB, x + k0, k, c + t * NB, tiles * NB, m, std::min(KB, k - k0) / unit, k0 == 0);
       done(t);
     }
+    finish();
   });
 }
 
 constexpr auto nothing = [](int64_t) {};
+constexpr auto no_finish = [] {};
 
 // ---- AVX-512: a tile's 64 outputs are 4 vectors; up to 6 rows at a time (24 accumulators) ----
 
@@ -275,17 +280,108 @@ void rows_int8_avx2(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, 
   for (int64_t q = 0; q < NB; q += 16) by_rows<PartInt8<1>, 3>(w + 4 * q, x, ldx, c + q, ldc, m, quads, first);
 }
 
+// AMX (Intel's tile unit, where the CPU has AMX-INT8 and the kernel lets the process use it): a
+// tile instruction multiplies up to 16 rows by 64 inputs of 16 outputs, reading the weights as
+// packed for VNNI (a quad of one output's four weights is a tile row's 4 bytes; a tile row holds 16
+// outputs, and the next quad is NB * 4 bytes on). A row's sums are the same exact integers as
+// VNNI's, so a call picks the unit by its count of rows with no change to any row's result: below
+// AMX_FROM rows VNNI's row blocks (a decode step reads the weights as fast on either), from it the
+// tiles (a verify pass's or a prefill's rows cost little more than one). The quads past the last
+// whole 16 of a block are VNNI's.
+
+#define TARGET_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+constexpr int64_t AMX_FROM = 4;
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The rows this thread's tiles are configured for, 0 when released. A thread configures its tiles
+// when a call's rows differ and releases them when its share of the call is done (release_tiles),
+// as other libraries' kernels may use the tiles between calls.
+thread_local int64_t tile_rows = 0;
+
+// tmm0-3: the sums of 16 outputs each (4 bytes each); tmm4: `rows` rows of 64 inputs; tmm5-7: 16 quads
+// of 16 outputs
+TARGET_AMX void configure_tiles(int64_t rows) {
+  if (tile_rows == rows) return;
+  tile_rows = rows;
+  TileConfig config;
+  for (int t = 0; t < 8; t++) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = t < 5 ? rows : 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+TARGET_AMX void release_tiles() {
+  if (tile_rows == 0) return;
+  _tile_release();
+  tile_rows = 0;
+}
+
+TARGET_AMX void rows_amx(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, int64_t ldc, int64_t m,
+                         int64_t quads, bool first) {
+  if (m < AMX_FROM) {
+    by_rows<QuadsInt8, 6>(w, x, ldx, c, ldc, m, quads, first);
+    return;
+  }
+  int64_t whole = quads / 16 * 16, ldw = 4 * NB, ldcb = 4 * ldc;
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    configure_tiles(std::min<int64_t>(16, m - r0));
+    const uint8_t* xr = x + r0 * ldx;
+    int32_t* cr = c + r0 * ldc;
+    if (first) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+      _tile_loadd(0, cr, ldcb); _tile_loadd(1, cr + 16, ldcb); _tile_loadd(2, cr + 32, ldcb); _tile_loadd(3, cr + 48, ldcb);
+    }
+    for (int64_t q = 0; q < whole; q += 16) {
+      const int8_t* wq = w + q * ldw;
+      _tile_loadd(4, xr + 4 * q, ldx);
+      _tile_loadd(5, wq, ldw);
+      _tile_dpbusd(0, 4, 5);
+      _tile_loadd(6, wq + 64, ldw);
+      _tile_dpbusd(1, 4, 6);
+      _tile_loadd(7, wq + 128, ldw);
+      _tile_dpbusd(2, 4, 7);
+      _tile_loadd(5, wq + 192, ldw);
+      _tile_dpbusd(3, 4, 5);
+    }
+    _tile_stored(0, cr, ldcb); _tile_stored(1, cr + 16, ldcb); _tile_stored(2, cr + 32, ldcb); _tile_stored(3, cr + 48, ldcb);
+  }
+  if (whole < quads) by_rows<QuadsInt8, 6>(w + whole * ldw, x + 4 * whole, ldx, c, ldc, m, quads - whole, false);
+}
+
+// The kernel lets a process use AMX's tile data once it asks (Linux 5.16 on; arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for all its threads.
+bool has_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  static const bool allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return allowed;
+}
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
 bool has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-enum Int8Isa : int64_t { INT8_NONE = 0, INT8_AVX2 = 1, INT8_VNNI = 2 };
+enum Int8Isa : int64_t { INT8_NONE = 0, INT8_AVX2 = 1, INT8_VNNI = 2, INT8_AMX = 3 };
 
 int64_t best_int8() {
   __builtin_cpu_init();
-  if (has_vnni()) return INT8_VNNI;
+  if (has_vnni()) return has_amx() ? INT8_AMX : INT8_VNNI;
   return __builtin_cpu_supports("avx2") ? INT8_AVX2 : INT8_NONE;
 }
 
@@ -295,8 +391,9 @@ Int8Rows int8_rows(int64_t which, const char* op) {
   int64_t best = best_int8();
   if (which == INT8_NONE) which = best;
   TORCH_CHECK(best != INT8_NONE, op, ": this CPU has neither AVX512-VNNI nor AVX2");
-  TORCH_CHECK(which >= 0 && which <= best, op, ": int8 ISA ", which, " (1 AVX2, 2 AVX512-VNNI) is beyond this CPU's ",
+  TORCH_CHECK(which >= 0 && which <= best, op, ": int8 ISA ", which, " (1 AVX2, 2 AVX512-VNNI, 3 AMX-INT8) is beyond this CPU's ",
               best);
+  if (which == INT8_AMX) return rows_amx;
   if (which == INT8_VNNI) return by_rows<QuadsInt8, 6, int8_t, uint8_t, int32_t>;
   return rows_int8_avx2;
 }
@@ -325,7 +422,7 @@ at::Tensor linear_quads(const at::Tensor& x, const at::Tensor& packed, int64_t w
   auto w = packed.data_ptr<int8_t>();
   auto xp = xs.data_ptr<uint8_t>();
   int32_t* cp = c.data_ptr<int32_t>();
-  over_tiles(w, xp, cp, m, k, tiles, 4, rows, nothing);
+  over_tiles(w, xp, cp, m, k, tiles, 4, rows, nothing, release_tiles);
   return c;
 }
 
@@ -338,6 +435,40 @@ void quantize_row(const float* x, int64_t k, int64_t k4, uint8_t* q, float* scal
   for (int64_t i = 0; i < k; i++) q[i] = static_cast<uint8_t>(std::nearbyint(x[i] / s) + 128.f);
   for (int64_t i = k; i < k4; i++) q[i] = 128;
   *scale = s;
+}
+
+// The same, 16 inputs at a time (the same operations on each: the same bytes and scale).
+TARGET_AVX512 void quantize_row512(const float* x, int64_t k, int64_t k4, uint8_t* q, float* scale) {
+  __m512 top16 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) top16 = _mm512_max_ps(top16, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float top = _mm512_reduce_max_ps(top16);
+  for (; i < k; i++) top = std::max(top, std::fabs(x[i]));
+  float s = std::max(top, 1e-12f) / 127.f;
+  __m512 s16 = _mm512_set1_ps(s), half = _mm512_set1_ps(128.f);
+  for (i = 0; i + 16 <= k; i += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), s16), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_add_ps(v, half))));
+  }
+  for (; i < k; i++) q[i] = static_cast<uint8_t>(std::nearbyint(x[i] / s) + 128.f);
+  for (i = k; i < k4; i++) q[i] = 128;
+  *scale = s;
+}
+
+// out[r, j] = (c[r, j] - off[j]) * sc[j] * rs for the outputs j0 <= j < j1 of a row
+void scale_row(const int32_t* c, const int32_t* off, const float* sc, float rs, float* out, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; j++) out[j] = static_cast<float>(c[j] - off[j]) * sc[j] * rs;
+}
+
+TARGET_AVX512 void scale_row512(const int32_t* c, const int32_t* off, const float* sc, float rs, float* out,
+                                int64_t j0, int64_t j1) {
+  __m512 rs16 = _mm512_set1_ps(rs);
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c + j), _mm512_loadu_si512(off + j)));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_loadu_ps(sc + j)), rs16));
+  }
+  scale_row(c, off, sc, rs, out, j, j1);
 }
 
 // x [M, K] float32 -> [M, N] float32: each row quantized on a scale of its own, the exact int8
@@ -361,8 +492,11 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* rs = row_scale.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) quantize_row(xp + r * k, k, k4, qp + r * k4, rs + r);
+  bool avx512 = has_avx512();
+  auto quantize = avx512 ? quantize_row512 : quantize_row;
+  auto scale = avx512 ? scale_row512 : scale_row;
+  at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) quantize(xp + r * k, k, k4, qp + r * k4, rs + r);
   });
   auto w = packed.data_ptr<int8_t>();
   int32_t* cp = c.data_ptr<int32_t>();
@@ -371,10 +505,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   float* op = out.data_ptr<float>();
   int64_t ldc = tiles * NB;
   over_tiles(w, qp, cp, m, k4, tiles, 4, rows, [&](int64_t t) {
-    for (int64_t r = 0; r < m; r++)
-      for (int64_t j = t * NB; j < std::min(n, (t + 1) * NB); j++)
-        op[r * n + j] = static_cast<float>(cp[r * ldc + j] - off[j]) * sc[j] * rs[r];
-  });
+    for (int64_t r = 0; r < m; r++) scale(cp + r * ldc, off, sc, rs[r], op + r * n, t * NB, std::min(n, (t + 1) * NB));
+  }, release_tiles);
   return out;
 }
 
@@ -393,7 +525,7 @@ int64_t best_isa() {
 template <typename T>
 void run(Isa isa, const T* w, const float* x, float* c, int64_t m, int64_t k, int64_t tiles) {
   auto rows = isa == AVX512 ? rows512<T> : rows256<T>;
-  over_tiles(w, x, c, m, k, tiles, 1, rows, nothing);
+  over_tiles(w, x, c, m, k, tiles, 1, rows, nothing, no_finish);
 }
 
 // weight [N, K] bfloat16 -> [tiles, K / 2, NB, 2], zero-padded to whole tiles and an even K
@@ -432,7 +564,7 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& packed) {
   auto xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   float* cp = c.data_ptr<float>();
   int64_t k = 2 * pairs;
-  over_tiles(w, xp, cp, m, k, tiles, 2, by_rows<PairsBf16, 6, uint16_t, uint16_t, float>, nothing);
+  over_tiles(w, xp, cp, m, k, tiles, 2, by_rows<PairsBf16, 6, uint16_t, uint16_t, float>, nothing, no_finish);
   return c;
 }
 

@@ -11,7 +11,9 @@ construction, tests/test_rowgemm.py).
   instruction, pairs in order, twice the arithmetic of widening, which bounds long inputs.
 - int8 weights against uint8 inputs (int8 + 128) on AVX512-VNNI or AVX2 (`int8`): exact integer
   sums, so every ISA gives the same numbers, and so does oneDNN's int8 kernel where its sums are
-  exact (tandem.engine.gemm keeps it on CPUs with neither).
+  exact (tandem.engine.gemm keeps it on CPUs with neither). Where the CPU has AMX-INT8 tiles, a
+  call of 4 rows or more (a verify pass, a prefill) runs on them, from the same packed weights:
+  the same exact sums, so a row's result does not depend on which unit its call took.
 
 Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
@@ -108,8 +110,9 @@ def int8() -> bool:
 
 
 def int8_isa() -> str:
-    """The instruction set int8 layers run on here: avx512-vnni, avx2 or none."""
-    return ("none", "avx2", "avx512-vnni")[_ops().rowgemm_int8_isa()] if available() else "none"
+    """The instruction set int8 layers run on here: amx-int8 (with AVX512-VNNI for calls of few
+    rows), avx512-vnni, avx2 or none."""
+    return ("none", "avx2", "avx512-vnni", "amx-int8")[_ops().rowgemm_int8_isa()] if available() else "none"
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +125,7 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sums_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int,
               which: int = 0) -> torch.Tensor:
     """x [rows, in] uint8 (int8 + 128) -> [rows, out_features] int32: each output's exact sum of
-    its int8 inputs times its weights. which: 0 the best ISA here, 1 AVX2, 2 AVX512-VNNI (tests)."""
+    its int8 inputs times its weights. which: 0 the best ISA here, 1 AVX2, 2 AVX512-VNNI, 3 AMX-INT8 (tests)."""
     weights, offsets = packed
     return _ops().rowgemm_linear_quads(x.contiguous(), weights, which)[:, :out_features] - offsets
 
