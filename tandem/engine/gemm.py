@@ -67,8 +67,8 @@ def bfloat16_kernels() -> bool:
 
 def own_kernel(dtype: torch.dtype) -> bool:
     """Whether float32 or bfloat16 layers run on Tandem's kernel here: where it is available, but
-    not bfloat16 on AMX tiles, where oneDNN's kernels decode as fast and take a verify pass or a
-    prefill in half to a third of the time (docs/benchmarks.md, "Tandem's own CPU kernel")."""
+    not bfloat16 on CPUs with AMX tiles, where oneDNN's bfloat16 kernels run on the tiles and are
+    the faster (docs/benchmarks.md, "Tandem's own CPU kernel")."""
     return rowgemm.available() and not (dtype == torch.bfloat16 and amx_tiles())
 
 

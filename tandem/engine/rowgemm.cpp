@@ -280,14 +280,14 @@ void rows_int8_avx2(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t* c, 
   for (int64_t q = 0; q < NB; q += 16) by_rows<PartInt8<1>, 3>(w + 4 * q, x, ldx, c + q, ldc, m, quads, first);
 }
 
-// AMX (Intel's tile unit, where the CPU has AMX-INT8 and the kernel lets the process use it): a
+// AMX (Intel's tile unit, where the CPU has AMX-INT8 and Linux lets the process use it): a
 // tile instruction multiplies up to 16 rows by 64 inputs of 16 outputs, reading the weights as
 // packed for VNNI (a quad of one output's four weights is a tile row's 4 bytes; a tile row holds 16
 // outputs, and the next quad is NB * 4 bytes on). A row's sums are the same exact integers as
 // VNNI's, so a call picks the unit by its count of rows with no change to any row's result: below
 // AMX_FROM rows VNNI's row blocks (a decode step reads the weights as fast on either), from it the
-// tiles (a verify pass's or a prefill's rows cost little more than one). The quads past the last
-// whole 16 of a block are VNNI's.
+// tiles (a verify pass's or a prefill's rows cost less there). The quads past the last whole 16 of
+// a block are VNNI's.
 
 #define TARGET_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -357,8 +357,8 @@ TARGET_AMX void rows_amx(const int8_t* w, const uint8_t* x, int64_t ldx, int32_t
   if (whole < quads) by_rows<QuadsInt8, 6>(w + whole * ldw, x + 4 * whole, ldx, c, ldc, m, quads - whole, false);
 }
 
-// The kernel lets a process use AMX's tile data once it asks (Linux 5.16 on; arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for all its threads.
+// Linux lets a process use AMX's tile data once it asks (5.16 on; arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA), for all its threads.
 bool has_amx() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
@@ -379,10 +379,14 @@ bool has_vnni() {
 
 enum Int8Isa : int64_t { INT8_NONE = 0, INT8_AVX2 = 1, INT8_VNNI = 2, INT8_AMX = 3 };
 
+// Found once: every int8 call asks, and in a virtual machine each CPUID traps to the hypervisor.
 int64_t best_int8() {
-  __builtin_cpu_init();
-  if (has_vnni()) return has_amx() ? INT8_AMX : INT8_VNNI;
-  return __builtin_cpu_supports("avx2") ? INT8_AVX2 : INT8_NONE;
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (has_vnni()) return has_amx() ? INT8_AMX : INT8_VNNI;
+    return __builtin_cpu_supports("avx2") ? INT8_AVX2 : INT8_NONE;
+  }();
+  return best;
 }
 
 // The row blocks of the int8 kernel for `which` (0: the best here), checked against this CPU.
