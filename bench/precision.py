@@ -76,7 +76,7 @@ def llama_rows(a, prompts: list[str]) -> dict | str:
              for p in prompts]
     draft = llamacpp.gguf(resolve(a.draft), "q8_0")
     rows = {}
-    for precision in LLAMA.values():
+    for precision in (LLAMA[d] for d in a.dtypes.split(",") if d in LLAMA):   # the precisions asked for
         model = llamacpp.gguf(resolve(a.target), precision)
         for method, assistant in (("none", None), ("model", draft)):
             try:
