@@ -371,11 +371,7 @@ bool has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
-bool has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
+bool has_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
 enum Int8Isa : int64_t { INT8_NONE = 0, INT8_AVX2 = 1, INT8_VNNI = 2, INT8_AMX = 3 };
 
@@ -520,8 +516,7 @@ enum Isa : int64_t { NONE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 int64_t best_isa() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return __builtin_cpu_supports("avx512bf16") ? AVX512_BF16 : AVX512;
+  if (has_avx512()) return __builtin_cpu_supports("avx512bf16") ? AVX512_BF16 : AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
   return NONE;
 }
