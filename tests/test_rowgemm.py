@@ -1,5 +1,5 @@
 """Tandem's CPU kernel (tandem.engine.rowgemm): right, against float64 sums; a row's result the same
-whatever the other rows of its call, on every ISA it runs on; bfloat16 and int8 layouts included.
+whatever the other rows of its call, on every ISA it runs on; bfloat16, int8 and int4 layouts included.
 The layers built on it are tested as layers in tests/test_invariance.py."""
 
 import pytest
@@ -108,6 +108,32 @@ def test_the_fused_int8_layer_is_the_torch_formula_bit_for_bit():
         assert torch.equal(rowgemm.linear_int8(x[3:4], packed, scales, 130, which), fused[3:4])
 
 
+@pytest.mark.skipif(not rowgemm.int4(), reason="needs AVX512-VNNI")
+def test_int4_groups_sum_right_and_each_row_as_if_alone():
+    """Weights at both extremes (-8, 7), inputs not a whole number of groups (1100 = 17 groups
+    and 12) and longer than a block of the kernel (512): each group's exact integer sum times its
+    scale, groups added in order, times the row's scale (as int8's rows are quantized)."""
+    torch.manual_seed(7)
+    w = torch.randint(-8, 8, (130, 1100), dtype=torch.int8)
+    w[0], w[1] = 7, -8
+    groups = -(-1100 // rowgemm.GROUP)
+    scales = torch.rand(130, groups) + 0.01
+    x = torch.randn(70, 1100)
+    packed = rowgemm.pack_int4(w, scales)
+    full = rowgemm.linear_int4(x, packed, 130)
+    row_scale = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    q = torch.zeros(70, groups * rowgemm.GROUP, dtype=torch.float64)
+    q[:, :1100] = torch.round(x / row_scale).double()
+    wide = torch.zeros(130, groups * rowgemm.GROUP, dtype=torch.float64)
+    wide[:, :1100] = w.double()
+    sums = torch.einsum("mgi,ngi->mng", q.view(70, groups, -1), wide.view(130, groups, -1))
+    assert torch.equal(sums, sums.round())                    # exact in float64 too
+    expected = (sums * scales.double()).sum(-1) * row_scale.double()
+    assert torch.allclose(full.double(), expected, rtol=1e-5, atol=1e-4)
+    lone = torch.cat([rowgemm.linear_int4(x[i:i + 1], packed, 130) for i in range(70)])
+    assert all(torch.equal(rowgemm.linear_int4(x[:n], packed, 130), lone[:n]) for n in ROWS)
+
+
 def test_a_wrong_input_is_refused_with_its_reason():
     packed = rowgemm.pack(torch.randn(64, 32))
     with pytest.raises(RuntimeError, match="x has 16 features, the weight 32"):
@@ -118,6 +144,10 @@ def test_a_wrong_input_is_refused_with_its_reason():
         with pytest.raises(RuntimeError, match=r"int8 ISA 4 \(1 AVX2, 2 AVX512-VNNI, 3 AMX-INT8\) is beyond this CPU's"):
             packed = rowgemm.pack_int8(torch.zeros(64, 8, dtype=torch.int8))
             rowgemm.sums_int8(torch.zeros(1, 8, dtype=torch.uint8), packed, 64, which=4)
+    if rowgemm.int4():
+        packed = rowgemm.pack_int4(torch.zeros(64, 128, dtype=torch.int8), torch.ones(64, 2))
+        with pytest.raises(RuntimeError, match="x has 16 features, the weight 128"):
+            rowgemm.linear_int4(torch.randn(2, 16), packed, 64)
 
 
 def test_bfloat16_serves_on_onednn_where_the_cpu_has_amx_tiles(monkeypatch):

@@ -34,6 +34,7 @@ alike, is kept beside the layers that follow it.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import warnings
@@ -173,8 +174,35 @@ class Int8Linear(torch.nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
+class Int4Linear(torch.nn.Module):
+    """int4 weights in groups of rowgemm.GROUP inputs, a float32 scale per output and group (its
+    largest magnitude over 7), packed once; each call's rows quantized to int8 as Int8Linear's and
+    multiplied on Tandem's kernel (rowgemm.linear_int4; AVX512-VNNI only). Half int8's bytes, for
+    models whose steps are bound by reading their weights (a draft's)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            w = linear.weight.detach().float()
+            groups = -(-self.in_features // rowgemm.GROUP)
+            padded = torch.zeros(self.out_features, groups * rowgemm.GROUP)
+            padded[:, :self.in_features] = w
+            by_group = padded.view(self.out_features, groups, rowgemm.GROUP)
+            scales = by_group.abs().amax(2).clamp(min=1e-12) / 7
+            int4 = torch.round(by_group / scales[..., None]).clamp_(-8, 7).to(torch.int8).flatten(1)
+            self.packed = rowgemm.pack_int4(int4[:, :self.in_features], scales)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = rowgemm.linear_int4(x.reshape(-1, self.in_features).float(), self.packed, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
 def rows_computed_alone(model: torch.nn.Module) -> bool:
-    """Whether every PackedLinear and Int8Linear of `model` computes each row of a call as it
+    """Whether every PackedLinear, Int8Linear and Int4Linear of `model` computes each row of a call as it
     computes that row alone, probed once per shape on random rows in calls of 2, 17 and 34 rows
     (either side of the sizes where kernels change). The kernels are chosen by the CPU oneDNN finds,
     so this is measured where the model runs rather than assumed from machines seen."""
@@ -183,7 +211,7 @@ def rows_computed_alone(model: torch.nn.Module) -> bool:
     generator = torch.Generator().manual_seed(0)
     probed = set()
     for layer in model.modules():
-        if not isinstance(layer, (PackedLinear, Int8Linear)):
+        if not isinstance(layer, (PackedLinear, Int8Linear, Int4Linear)):
             continue
         dtype = getattr(layer, "dtype", torch.float32)      # Int8Linear takes any float input
         shape = (type(layer), dtype, layer.in_features, layer.out_features)
@@ -273,10 +301,14 @@ def _linears(model: torch.nn.Module, dtypes: tuple[torch.dtype, ...]) -> list:
 
 def _detach_from_file(model: torch.nn.Module) -> None:
     """What is left (embeddings, norms, biases) may still be views of the memory-mapped weights
-    file, which would keep every page the swap read mapped: copy it so the file can go."""
+    file, which would keep every page the swap read mapped: copy it so the file can go. Then the
+    freed originals go back to the system (glibc keeps freed memory in its heaps otherwise: 0.8
+    GB of a 1.5B target's)."""
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
+    if hasattr(libc := ctypes.CDLL(None), "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
@@ -296,11 +328,18 @@ def pack_linears(model: torch.nn.Module, invariant: bool = True) -> int:
     return len(swaps)
 
 
-def quantize_linears(model: torch.nn.Module, per_row: bool = True) -> int:
-    """Replaces every float32 nn.Linear of `model` on the CPU with an int8 one, in place; returns
-    how many. per_row: Int8Linear (batch-invariant); else torch.ao's dynamic quantization. A tied
-    output layer gets an int8 copy; the embedding stays as it is."""
+def quantize_linears(model: torch.nn.Module, per_row: bool = True, bits: int = 8) -> int:
+    """Replaces every float32 nn.Linear of `model` on the CPU with an int8 one (bits 8), or an
+    Int4Linear (bits 4), in place; returns how many. int8 per_row: Int8Linear (batch-invariant);
+    else torch.ao's dynamic quantization. A tied output layer gets a quantized copy; the embedding
+    stays as it is."""
     swaps = _linears(model, (torch.float32,))
+    if bits == 4:
+        for parent, name, child in swaps:
+            setattr(parent, name, Int4Linear(child))
+        if swaps:
+            _detach_from_file(model)
+        return len(swaps)
     if not per_row:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current

@@ -1,4 +1,7 @@
-"""Loads a causal LM through one code path (presets, HF folders, GGUF) and runs it with a KV cache."""
+"""Loads a causal LM through one code path (presets, HF folders, GGUF) and runs it with a KV cache.
+
+Longer than 300 lines because loading at each precision, the batched forward pass and the
+start-up measurements of that pass share one model's state and are read together."""
 
 from __future__ import annotations
 
@@ -24,15 +27,17 @@ def resolve(spec: str) -> Path:
     return presets.resolve_model(spec)
 
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 def dtype_problem(dtype: str, device: str) -> str | None:
     """Why a model cannot run at `dtype` on `device` (None when it can)."""
     if dtype not in DTYPES:
         return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
-    if dtype == "int8" and not device.startswith("cpu"):
-        return f"dtype int8 runs on the CPU only (its kernels are); use bfloat16 on {device}"
+    if dtype in ("int8", "int4") and not device.startswith("cpu"):
+        return f"dtype {dtype} runs on the CPU only (its kernels are); use bfloat16 on {device}"
+    if dtype == "int4" and not rowgemm.int4():
+        return "dtype int4 runs on Tandem's CPU kernel on AVX512-VNNI only (not built, or not this CPU); use int8"
     if dtype == "float16" and device.startswith("cpu"):
         return ("dtype float16 runs on a GPU only (the CPU has no float16 kernel here that keeps a row's "
                 "result independent of its batch); use bfloat16 or int8 on the CPU")
@@ -44,17 +49,18 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     the rest in float32 (CPU only): with scales of their own rows when `batch_invariant`, so that
     like every precision here a row's result does not depend on the other rows of its pass, and
     where Tandem's int8 kernel runs (tandem.engine.rowgemm.int8), which is faster; else with a
-    scale per call (tandem.engine.gemm). vocab: a draft's output layer keeps that many (tandem.engine.vocab)."""
+    scale per call (tandem.engine.gemm). int4 is int8 with 4-bit weights in groups of 64 inputs
+    (CPUs with AVX512-VNNI; batch-invariant too), for drafts. vocab: a draft's output layer keeps that many (tandem.engine.vocab)."""
     if problem := dtype_problem(dtype, device):
         raise ValueError(problem)
-    load_as = torch.float32 if dtype == "int8" else getattr(torch, dtype)
+    load_as = torch.float32 if dtype in ("int8", "int4") else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_as).to(device).eval()
     gemm.fuse_linears(model)
     if vocab:
         trim_output(model, vocab, [*AutoTokenizer.from_pretrained(path).all_special_ids,
                                    *eos_ids(model.generation_config, model.config)])
-    if dtype == "int8":
-        gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.int8())
+    if dtype in ("int8", "int4"):
+        gemm.quantize_linears(model, per_row=batch_invariant or rowgemm.int8(), bits=int(dtype[3:]))
     return model
 
 
@@ -99,7 +105,7 @@ class CausalLM:
         """Whether a token's logits are the same whichever tokens share its pass: asked for, every
         Linear layer on one of tandem.engine.gemm's CPU kernels (packed, or int8 per row), and those
         found at start to compute a row alike in calls of any size on this CPU."""
-        return (self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype == "int8")
+        return (self.batch_invariant and self.device.startswith("cpu") and (self.packed or self.dtype in ("int8", "int4"))
                 and self.rows_alike)
 
     @property
@@ -107,6 +113,8 @@ class CausalLM:
         """What decides its numbers beside the weights: invariant models of equal numerics give equal logits."""
         if not self.device.startswith("cpu"):
             linear = f"{self.device} (CUDA {torch.version.cuda})"
+        elif self.dtype == "int4":
+            linear = f"tandem int4 in groups of {rowgemm.GROUP}"
         elif self.dtype != "int8":
             linear = f"tandem {rowgemm.isa()}" if self.packed and gemm.own_kernel(getattr(torch, self.dtype)) else "onednn"
         else:

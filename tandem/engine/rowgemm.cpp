@@ -510,6 +510,108 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   return out;
 }
 
+// ---- int4: weights in groups of G inputs, a float32 scale per output and group ----
+//
+// Weights packed as [tiles, K / 8, NB, 4] bytes: the byte of output o at (p, j) holds weight
+// (o, 8p + j) + 8 in its low nibble and (o, 8p + 4 + j) + 8 in its high one, so one 64-byte load
+// unpacks to two of VNNI's quad registers. Inputs are the int8 path's rows (uint8 = int8 + 128, a
+// scale per row). Within a group the sums are exact integers; each group's sum, less 128 times the
+// group's weights' sum, times the group's scale, is added to a float32 accumulator in the order of
+// the groups: one order whatever the rows of a call or the thread split.
+
+constexpr int64_t G = 64;     // inputs per group
+
+template <int R>
+TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
+                            const float* sw, const int32_t* off, int64_t groups, bool first) {
+  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
+  int64_t ld4 = ldx / 4;
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i a[4][4];
+    for (int r = 0; r < R; r++)
+      for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_si512();
+    for (int64_t p = g * G / 8; p < (g + 1) * G / 8; p++) {
+      const uint8_t* wp = w + p * 4 * NB;
+      __m512i lo[4], hi[4];
+      for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_loadu_si512(wp + 64 * i);
+        lo[i] = _mm512_sub_epi8(_mm512_and_si512(v, low), eight);
+        hi[i] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight);
+      }
+      for (int r = 0; r < R; r++) {
+        __m512i xa = _mm512_set1_epi32(x4[r * ld4 + 2 * p]), xb = _mm512_set1_epi32(x4[r * ld4 + 2 * p + 1]);
+        for (int i = 0; i < 4; i++) a[r][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[r][i], xa, lo[i]), xb, hi[i]);
+      }
+    }
+    // the float32 sums live in c (in cache) between groups, leaving the registers to the rows
+    bool fresh = first && g == 0;
+    for (int i = 0; i < 4; i++) {
+      __m512 s = _mm512_loadu_ps(sw + g * NB + 16 * i);
+      __m512i o = _mm512_loadu_si512(off + g * NB + 16 * i);
+      for (int r = 0; r < R; r++) {
+        float* cr = c + r * ldc + 16 * i;
+        __m512 sum = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(cr);
+        _mm512_storeu_ps(cr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][i], o)), s, sum));
+      }
+    }
+  }
+}
+
+// x [M, K] float32 -> [M, N] float32: each row quantized as for int8 (k padded with zeros to the
+// weight's K, a multiple of G), the grouped sums above, times the row's scale. packed
+// [tiles, K / 8, NB, 4] uint8; scales and offsets [tiles, K / G, NB] (offsets: 128 times each
+// group's weights' sum).
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                       const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(has_vnni(), "rowgemm_linear_int4: int4 layers need AVX512-VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "rowgemm_linear_int4: x is a contiguous float32 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte, "rowgemm_linear_int4: not packed in nibbles");
+  int64_t tiles = packed.size(0), kw = 8 * packed.size(1), m = x.size(0), k = x.size(1), groups = kw / G;
+  TORCH_CHECK(kw % G == 0 && k <= kw && k > kw - G, "rowgemm_linear_int4: x has ", k, " features, the weight ", kw);
+  TORCH_CHECK(scales.sizes() == offsets.sizes() && scales.numel() == tiles * groups * NB && scales.is_contiguous() &&
+                  offsets.is_contiguous() && scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kInt,
+              "rowgemm_linear_int4: scales and offsets are [tiles, groups, ", NB, "]");
+  TORCH_CHECK(n <= tiles * NB, "rowgemm_linear_int4: ", n, " outputs");
+  auto q = at::empty({m, kw}, x.options().dtype(at::kByte));
+  auto row_scale = at::empty({m}, x.options());
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  auto c = at::empty({m, tiles * NB}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* rs = row_scale.data_ptr<float>();
+  at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) quantize_row512(xp + r * k, k, kw, qp + r * kw, rs + r);
+  });
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sw = scales.data_ptr<float>();
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  float* cp = c.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t ldc = tiles * NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      for (int64_t k0 = 0; k0 < kw; k0 += KB) {
+        const uint8_t* wb = w + (t * kw + k0) * NB / 2;
+        int64_t at = (t * groups + k0 / G) * NB, blocks = std::min(KB, kw - k0) / G;
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4)
+          tile_vnni4<4>(wb, qp + r * kw + k0, kw, cp + r * ldc + t * NB, ldc, sw + at, off + at, blocks, k0 == 0);
+        int64_t left = m - r;
+        auto rest4 = left == 3 ? tile_vnni4<3> : left == 2 ? tile_vnni4<2> : tile_vnni4<1>;
+        if (left) rest4(wb, qp + r * kw + k0, kw, cp + r * ldc + t * NB, ldc, sw + at, off + at, blocks, k0 == 0);
+      }
+      int64_t j1 = std::min(n, (t + 1) * NB);
+      for (int64_t r = 0; r < m; r++)
+        for (int64_t j = t * NB; j < j1; j++) op[r * n + j] = cp[r * ldc + j] * rs[r];
+    }
+  });
+  return out;
+}
+
 // ---- dispatch ----
 
 enum Isa : int64_t { NONE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
@@ -602,4 +704,6 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rowgemm_linear_quads(Tensor x, Tensor packed, int which=0) -> Tensor", linear_quads);
   m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
         linear_int8);
+  m.def("rowgemm_int4() -> bool", [] { return has_vnni(); });
+  m.def("rowgemm_linear_int4(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n) -> Tensor", linear_int4);
 }

@@ -14,6 +14,9 @@ construction, tests/test_rowgemm.py).
   exact (tandem.engine.gemm keeps it on CPUs with neither). Where the CPU has AMX-INT8 tiles, a
   call of 4 rows or more (a verify pass, a prefill) runs on them, from the same packed weights:
   the same exact sums, so a row's result does not depend on which unit its call took.
+- int4 weights in groups of GROUP inputs, a float32 scale per output and group, on AVX512-VNNI only
+  (`int4`): a group's sum exact in integers, groups added in order in float32, so a row's result
+  is the same in any call. Half int8's bytes: a draft model's steps, bound by reading its weights.
 
 Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
@@ -137,6 +140,40 @@ def linear_int8(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], scal
     weights' `scales` and the row's scale, as tandem.engine.gemm.Int8Linear computes them in torch."""
     weights, offsets = packed
     return _ops().rowgemm_linear_int8(x.contiguous(), weights, offsets, scales, out_features, which)
+
+
+GROUP = 64      # int4: inputs per group of a weight row, each group with a scale of its own
+NB = 64         # outputs per tile (rowgemm.cpp)
+
+
+def int4() -> bool:
+    """Whether int4 layers run here (Tandem's kernel on AVX512-VNNI; there is no other path)."""
+    return available() and bool(_ops().rowgemm_int4())
+
+
+def pack_int4(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] int8 in -8..7, scales [out, groups] float32 (groups of GROUP inputs, the
+    last zero-padded) -> `linear_int4`'s (packed nibbles, offsets, scales): the nibbles as
+    rowgemm.cpp lays them out, each +8; offsets 128 times each group's weights' sum."""
+    n, k = weight.shape
+    tiles, groups = -(-n // NB), scales.shape[1]
+    w = torch.zeros(tiles * NB, groups * GROUP, dtype=torch.int32)
+    w[:n, :k] = weight
+    nibbles = (w + 8).to(torch.uint8).view(tiles, NB, groups * GROUP // 8, 2, 4)
+    packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+    offsets = 128 * w.view(tiles, NB, groups, GROUP).sum(-1, dtype=torch.int32)
+    padded = torch.zeros(tiles * NB, groups)
+    padded[:n] = scales
+    return packed, offsets.transpose(1, 2).contiguous(), padded.view(tiles, NB, groups).transpose(1, 2).contiguous()
+
+
+def linear_int4(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                out_features: int) -> torch.Tensor:
+    """x [rows, in] float32 -> [rows, out_features] float32 in one call: each row quantized as for
+    `linear_int8`, each group's exact sum times its scale, added group by group in order, times
+    the row's scale."""
+    weights, offsets, scales = packed
+    return _ops().rowgemm_linear_int4(x.contiguous(), weights, offsets, scales, out_features)
 
 
 def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:

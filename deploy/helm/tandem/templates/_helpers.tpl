@@ -74,16 +74,16 @@ TANDEM_TARGET_MODEL. The registry matches these names as strings, so they are on
 {{- end }}
 
 {{/* The pool's weight dtype: its own, else bfloat16 on a GPU and, on the CPU, bfloat16 for verify
-(docs/benchmarks.md, "The target's precision") and int8 for draft. int8 runs on the CPU only and
-float16 on a GPU only; the worker refuses them elsewhere. */}}
+(docs/benchmarks.md, "The target's precision") and int8 for draft. int8 and int4 run on the CPU
+only (int4 where it has AVX512-VNNI) and float16 on a GPU only; the worker refuses them elsewhere. */}}
 {{- define "tandem.dtype" -}}
 {{- $device := include "tandem.device" . }}
 {{- $dtype := .pool.dtype }}
 {{- if not $dtype }}
 {{- $dtype = ternary (ternary "bfloat16" "int8" (eq .component "verify")) "bfloat16" (eq $device "cpu") }}
 {{- end }}
-{{- if and (eq $dtype "int8") (ne $device "cpu") }}
-{{- fail (printf "%s.dtype int8 runs on the CPU only, and this pool's device is %s: use bfloat16" .component $device) }}
+{{- if and (has $dtype (list "int8" "int4")) (ne $device "cpu") }}
+{{- fail (printf "%s.dtype %s runs on the CPU only, and this pool's device is %s: use bfloat16" .component $dtype $device) }}
 {{- end }}
 {{- if and (eq $dtype "float16") (eq $device "cpu") }}
 {{- fail (printf "%s.dtype float16 runs on a GPU only, and this pool's device is cpu: use bfloat16 or int8" .component) }}
