@@ -1,10 +1,10 @@
 """make bench-precision: the target at each precision Tandem serves it in, plain and speculative,
 beside llama.cpp (the peers section of `make bench`), in one run.
 
-Tandem: a stack per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
+Tandem: stacks per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
 verify worker), one stream, greedy, the chat prompts of bench/e2e.py: draft methods none (plain
-decoding), ngram, and model with the Qwen pair's 0.5B draft at each --draft-dtypes (int8, and
-int4 where the CPU runs it) on the same cores. tokens/s is end to end through the gateway (prompt
+decoding) and ngram as a deployment without a draft pool runs them, and model with the Qwen pair's
+0.5B draft at each --draft-dtypes (int8, and int4 where the CPU runs it) on the same cores. tokens/s is end to end through the gateway (prompt
 included). Each speculative row's
 outputs are compared with the plain row's at the same dtype: with batch-invariant numerics they
 must be equal (tandem.engine.gemm), and a difference is reported loudly.
@@ -15,10 +15,12 @@ q8_0, plain and with the q8_0 0.5B draft, 2 threads, the same prompts with the s
 applied, and with the draft at q4_0 beside Tandem's int4 draft. Its tokens/s is its own
 generation rate (prompt processing apart).
 
-The rows of one precision run interleaved: Tandem's workers stay up together (one stack, a gateway
-per row) and every prompt goes to every row, Tandem's and llama.cpp's, before the next prompt, so
-that a host whose speed drifts during the run (seen up to 2x here) moves every row alike and the
-ratios between rows stay fair. A second table gives each row's tokens/s per prompt.
+The rows of one precision run interleaved: Tandem's rows in two phases (plain decoding and prompt
+lookup from a stack without a draft model, then the draft model's from a stack with it; one
+target in memory at a time), and in each phase every prompt goes to every row, Tandem's and
+llama.cpp's, before the next prompt, so that a host whose speed drifts during the run (seen up to
+2x here) moves every row alike and the ratios between rows stay fair. llama.cpp's rows run in both
+phases, their runs counted together. A second table gives each row's tokens/s per prompt.
 
     python -m bench.precision             # 4 prompts, 96 tokens
     python -m bench.precision --quick     # 1 prompt, 24 tokens, float32 and int8 only
@@ -67,33 +69,43 @@ def tandem_run(stub, method: str, n_new: int, prompt: str) -> dict:
     return {k: run[k] for k in ("tokens", "seconds", "rounds", "text")}
 
 
-def tandem_engines(a, dtype: str, redis_url: str, opened: contextlib.ExitStack) -> dict:
-    """Tandem's rows at `dtype`, each a function of a prompt, from one stack that stays open: one
-    verify worker (one target in memory, so that a float32 run fits beside llama.cpp's), a draft
-    worker per drafting row (prompt lookup; the draft model at each draft dtype, and scoring part of
-    its vocabulary with --draft-vocab), all on the same cores, and a gateway per row routing to its
-    own draft worker only (plain decoding: to none). Every row's verify worker is thus set for a
-    draft model beside it (it sleeps soon after its work, tandem.launch), plain decoding's too; an
-    idle worker sleeps."""
-    stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
-                                       verify_args=["--dtype", dtype, "--kv-budget-tokens", str(KV_TOKENS)],
-                                       redis_url=redis_db(redis_url, 1)))
-    drafts = [("ngram", "ngram", ["--model", "none"])]
-    drafts += [(draft_row(d), "model", ["--dtype", d]) for d in a.draft_dtypes.split(",")]
-    if a.draft_vocab:
-        drafts.append((f"model, vocab {a.draft_vocab}", "model", ["--draft-vocab", str(a.draft_vocab)]))
-    verify = stack.address("verify_worker")
-    rows = [("none", "none", stack.add_gateway(["--verify-workers", verify, "--draft-workers", ""]))]
-    for row, method, flags in drafts:
-        draft = stack.add_worker("draft_worker", extra_args=flags)
-        rows.append((row, method, stack.add_gateway(["--verify-workers", verify, "--draft-workers",
-                                                     stack.address(draft)])))
-    engines = {}
-    for row, method, gateway in rows:
-        stub = pb_grpc.GenerationServiceStub(opened.enter_context(grpc.insecure_channel(stack.address(gateway))))
-        timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-        engines[("Tandem", dtype, row)] = partial(tandem_run, stub, method, a.max_new_tokens)
-    return engines
+def tandem_phases(a, dtype: str, redis_url: str) -> list:
+    """Tandem's rows at `dtype` in two phases, one stack each, so that one target is in memory at a
+    time (two float32 targets and llama.cpp's do not fit in 24 GiB): plain decoding and prompt
+    lookup from a stack with no draft model (its verify worker has the cores to itself and spins
+    for OpenMP work, tandem.launch), as a deployment without a draft pool runs them; then the
+    draft model at each draft dtype (and scoring part of its vocabulary with --draft-vocab) beside
+    the target on the same cores, each draft worker reached through a gateway of its own. Each
+    phase is a function of an ExitStack that returns its rows, each a function of a prompt."""
+    verify_args = ["--dtype", dtype, "--kv-budget-tokens", str(KV_TOKENS)]
+
+    def plain(opened: contextlib.ExitStack) -> dict:
+        stack = opened.enter_context(Stack(a.target, "none", threads=a.threads, verify_args=verify_args,
+                                           redis_url=redis_db(redis_url, 1)))
+        return engines(opened, dtype, stack, [("none", "none", "gateway"), ("ngram", "ngram", "gateway")])
+
+    def drafted(opened: contextlib.ExitStack) -> dict:
+        stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
+                                           verify_args=verify_args, redis_url=redis_db(redis_url, 2)))
+        drafts = [(draft_row(d), ["--dtype", d]) for d in a.draft_dtypes.split(",")]
+        if a.draft_vocab:
+            drafts.append((f"model, vocab {a.draft_vocab}", ["--draft-vocab", str(a.draft_vocab)]))
+        verify, rows = stack.address("verify_worker"), []
+        for row, flags in drafts:
+            draft = stack.add_worker("draft_worker", extra_args=flags)
+            rows.append((row, "model", stack.add_gateway(["--verify-workers", verify, "--draft-workers",
+                                                          stack.address(draft)])))
+        return engines(opened, dtype, stack, rows)
+
+    def engines(opened: contextlib.ExitStack, dtype: str, stack: Stack, rows: list) -> dict:
+        out = {}
+        for row, method, gateway in rows:
+            stub = pb_grpc.GenerationServiceStub(opened.enter_context(grpc.insecure_channel(stack.address(gateway))))
+            timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
+            out[("Tandem", dtype, row)] = partial(tandem_run, stub, method, a.max_new_tokens)
+        return out
+
+    return [plain, drafted]
 
 
 def draft_row(draft_dtype: str) -> str:
@@ -141,15 +153,18 @@ def interleaved(engines: dict, prompts: list[str], chat_texts: list[str], repeat
                     rows[key]["error"] = str(e).splitlines()[0]
                     print(f"  {' '.join(key)}: failed: {rows[key]['error']}", flush=True)
             order = order[1:] + order[:1]
-    for key, row in rows.items():
-        runs = row.pop("runs")
-        if "error" in row or not runs:
-            continue
+    return rows
+
+
+def summarize(key: tuple, row: dict) -> dict:
+    """A row's runs (of every phase it ran in) as its tokens/s, tokens per round and texts."""
+    runs = row.pop("runs")
+    if "error" not in row and runs:
         tokens, seconds, rounds = (sum(r[k] for r in runs) for k in ("tokens", "seconds", "rounds"))
         row.update(tok_s=tokens / seconds, tokens=tokens, tokens_per_round=tokens / rounds if rounds else None,
                    per_prompt_tok_s=[r["tokens"] / r["seconds"] for r in runs], texts=[r["text"] for r in runs])
         print(f"  {key[0]} {key[1]:8s} {key[2]:5s}: {row['tok_s']:.2f} tok/s", flush=True)
-    return rows
+    return row
 
 
 def main(argv=None) -> None:
@@ -187,13 +202,22 @@ def main(argv=None) -> None:
     redis_url, private = ensure_redis()
     try:
         for dtype in a.dtypes.split(","):
-            with contextlib.ExitStack() as opened:
-                engines = {**tandem_engines(a, dtype, redis_url, opened), **llama_engines(a, dtype, bin_dir)}
-                for (engine, precision, row), stats in interleaved(engines, prompts, chat_texts, a.repeats).items():
-                    if engine == "Tandem":
-                        tandem.setdefault(dtype, {})[row] = stats
-                    else:
-                        llama[f"{precision}/{row}"] = stats
+            # llama.cpp's rows run in each phase beside Tandem's, their runs of both phases together
+            rows: dict = {}
+            for phase in tandem_phases(a, dtype, redis_url):
+                with contextlib.ExitStack() as opened:
+                    engines = {**phase(opened), **llama_engines(a, dtype, bin_dir)}
+                    for key, row in interleaved(engines, prompts, chat_texts, a.repeats).items():
+                        mine = rows.setdefault(key, {"runs": []})
+                        mine["runs"] += row["runs"]
+                        if "error" in row:
+                            mine["error"] = row["error"]
+            for (engine, precision, row), stats in rows.items():
+                stats = summarize((engine, precision, row), stats)
+                if engine == "Tandem":
+                    tandem.setdefault(dtype, {})[row] = stats
+                else:
+                    llama[f"{precision}/{row}"] = stats
     finally:
         if private is not None:
             private.stop()

@@ -88,6 +88,12 @@ class Stack:
     # CPU affinity by process kind, a CPU list each ({"verify_worker": "0", "draft_worker": "1-2"}): a
     # process and every thread it starts run only there. Kinds left out run anywhere.
     cpus: dict[str, str] = field(default_factory=dict)
+    # A draft worker's torch threads: 0 for one thread where it shares the cores with the verify
+    # worker (no CPUs of its own in `cpus`), else `threads` (threads_of_draft). One thread has no OpenMP team to wake
+    # for each of a step's layers while the two processes take turns, and leaves the verify
+    # worker a core when they run at once: a third of a round at one stream, faster at four
+    # (docs/benchmarks.md, "A draft beside the target on one thread").
+    draft_threads: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)     # each process's /metrics port
@@ -151,12 +157,19 @@ class Stack:
         if kind == "verify_worker":
             args = ["--model", self.target, "--threads", str(self.threads), *beat, *self.verify_args]
         else:
-            args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads), *beat,
+            args = ["--model", self.draft, "--target-model", self.target, "--threads", str(self.threads_of_draft()), *beat,
                     *self.draft_args]
         self._spawn(name, [*args, *extra_args], free_port(), cpus)
         if wait:
             wait_serving(self.address(name), self.procs[name], timeout, self.tls)
         return name
+
+    def threads_of_draft(self) -> int:
+        """`draft_threads`, else `threads` where the draft worker's CPUs are not the verify worker's, else 1."""
+        if self.draft_threads:
+            return self.draft_threads
+        own, verify = self._cpu_sets.get("draft_worker"), self._cpu_sets.get("verify_worker")
+        return self.threads if own and verify is not None and own.isdisjoint(verify) else 1
 
     def start(self, timeout: float = 600) -> "Stack":
         try:
@@ -225,6 +238,8 @@ def main(argv=None) -> None:
     add_flag(parser, "--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
     add_flag(parser, "--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model, or none")
     add_flag(parser, "--threads", default=2, type=int, help="torch threads per worker process")
+    add_flag(parser, "--draft-threads", default=0, type=int,
+             help="the draft worker's threads; 0: one beside the verify worker, --threads with --cpus of its own")
     add_flag(parser, "--gateway-port", default=50051, type=int, help="public port")
     add_flag(parser, "--head", default="",
              help="the verify worker's trained head ('shipped': the one shipped for --target); the demo "
@@ -248,7 +263,8 @@ def main(argv=None) -> None:
     for spec in (args.target, args.draft):
         if spec and spec != "none":
             print(f"model {spec}: {presets.resolve_model(spec)}", flush=True)
-    stack = Stack(args.target, args.draft, threads=args.threads, gateway_port=args.gateway_port,
+    stack = Stack(args.target, args.draft, threads=args.threads, draft_threads=args.draft_threads,
+                  gateway_port=args.gateway_port,
                   verify_args=["--head", args.head] if args.head else [], cpus=cpus,
                   draft_args=["--pipeline"] if args.pipeline else [])
     stack.start()

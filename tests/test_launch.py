@@ -109,3 +109,17 @@ def test_each_process_waits_for_openmp_work_by_what_shares_its_cores(draft, set_
     for kind in want:
         stack._spawn(kind, [], free_port())
     assert started == want
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cpus, draft_threads, want", [
+    ({}, 0, 1),                                               # beside the target: one thread
+    ({"verify_worker": "0", "draft_worker": "0"}, 0, 1),      # pinned, but to the target's CPU
+    ({"verify_worker": "0", "draft_worker": "1"}, 0, 2),      # CPUs of its own: the stack's threads
+    ({"draft_worker": "1"}, 0, 1),                            # the target may run anywhere, its CPU too
+    ({}, 3, 3),                                               # asked for
+])
+def test_a_draft_worker_beside_the_target_drafts_on_one_thread(cpus, draft_threads, want):
+    if os.cpu_count() < 2:
+        pytest.skip("needs two CPUs")
+    assert Stack("t", "a-model", threads=2, cpus=cpus, draft_threads=draft_threads).threads_of_draft() == want
