@@ -113,8 +113,9 @@ def test_draft_sessions_copy_a_shared_prompt_prefix_from_live_and_finished_ones(
 
 
 @pytest.mark.parametrize("dtype, device, message", [
-    ("int4", "cpu", "dtype must be one of"),
+    ("int2", "cpu", "dtype must be one of"),
     ("int8", "cuda", "CPU only"),
+    ("int4", "cuda", "CPU only"),
     ("float16", "cpu", "GPU only"),
 ])
 def test_bad_dtype_is_refused(tiny_pair, dtype, device, message):
