@@ -50,7 +50,6 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 FULL = {"prompts": len(PROMPTS), "max_new_tokens": 96, "dtypes": "float32,bfloat16,int8"}
 QUICK = {"prompts": 1, "max_new_tokens": 24, "dtypes": "float32,int8"}
-METHODS = ("none", "model", "ngram")
 # llama.cpp's precision beside each of Tandem's (int4: groups of 64 with a float32 scale each;
 # q4_0: groups of 32 with a float16 scale, as llama-quantize makes it)
 LLAMA = {"float32": "f32", "int8": "q8_0", "int4": "q4_0"}
@@ -82,7 +81,7 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
     def plain(opened: contextlib.ExitStack) -> dict:
         stack = opened.enter_context(Stack(a.target, "none", threads=a.threads, verify_args=verify_args,
                                            redis_url=redis_db(redis_url, 1)))
-        return engines(opened, dtype, stack, [("none", "none", "gateway"), ("ngram", "ngram", "gateway")])
+        return engines(opened, stack, [("none", "none", "gateway"), ("ngram", "ngram", "gateway")])
 
     def drafted(opened: contextlib.ExitStack) -> dict:
         stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
@@ -95,9 +94,9 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
             draft = stack.add_worker("draft_worker", extra_args=flags)
             rows.append((row, "model", stack.add_gateway(["--verify-workers", verify, "--draft-workers",
                                                           stack.address(draft)])))
-        return engines(opened, dtype, stack, rows)
+        return engines(opened, stack, rows)
 
-    def engines(opened: contextlib.ExitStack, dtype: str, stack: Stack, rows: list) -> dict:
+    def engines(opened: contextlib.ExitStack, stack: Stack, rows: list) -> dict:
         out = {}
         for row, method, gateway in rows:
             stub = pb_grpc.GenerationServiceStub(opened.enter_context(grpc.insecure_channel(stack.address(gateway))))

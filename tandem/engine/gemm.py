@@ -191,7 +191,7 @@ class Int4Linear(torch.nn.Module):
             by_group = padded.view(self.out_features, groups, rowgemm.GROUP)
             scales = by_group.abs().amax(2).clamp(min=1e-12) / 7
             int4 = torch.round(by_group / scales[..., None]).clamp_(-8, 7).to(torch.int8).flatten(1)
-            self.packed = rowgemm.pack_int4(int4[:, :self.in_features], scales)
+            self.packed = rowgemm.pack_int4(int4, scales)      # the padding quantized to zeros
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,21 +334,16 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True, bits: int = 8
     else torch.ao's dynamic quantization. A tied output layer gets a quantized copy; the embedding
     stays as it is."""
     swaps = _linears(model, (torch.float32,))
-    if bits == 4:
-        for parent, name, child in swaps:
-            setattr(parent, name, Int4Linear(child))
-        if swaps:
-            _detach_from_file(model)
-        return len(swaps)
-    if not per_row:
+    if bits == 8 and not per_row:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch.ao's deprecation notice; the kernels are current
             torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         return len(swaps)
-    if swaps and int8_weight_bits() == 7:
+    if bits == 8 and swaps and int8_weight_bits() == 7:
         log.warning("no Tandem int8 kernel here, and oneDNN's saturates 8-bit pairs: int8 weights take 7 bits")
+    layer = Int4Linear if bits == 4 else Int8Linear
     for parent, name, child in swaps:
-        setattr(parent, name, Int8Linear(child))
+        setattr(parent, name, layer(child))
     if swaps:
         _detach_from_file(model)
     return len(swaps)
