@@ -8,11 +8,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from tandem.cluster.registry import DRAFT_POOL_METHODS, VERIFY_METHODS
 from tandem.speculation.grammar import Guide
 from tandem.speculation.logprobs import MAX_TOP_LOGPROBS
 from tandem.speculation.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams
 
-DRAFT_METHODS = ("model", "ngram", "head", "none")
+DRAFT_METHODS = (*DRAFT_POOL_METHODS, *VERIFY_METHODS)
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Speculation knobs as call metadata, for faces whose wire format has no field for them.
 MD_METHOD = "x-tandem-draft-method"

@@ -17,14 +17,12 @@ import grpc
 from redis.exceptions import RedisError
 
 from tandem.cluster.redis_conn import redacted
-from tandem.cluster.registry import DRAFT, VERIFY, Registry, WorkerInfo
+from tandem.cluster.registry import DRAFT, VERIFY, VERIFY_METHODS, Registry, WorkerInfo
 from tandem.engine.kvpool import proposal_room
 from tandem.service import metrics, telemetry
 from tandem.service.server import channel as open_channel
 
 log = logging.getLogger(__name__)
-
-HEAD = "head"      # the draft method a verify worker serves itself, with its trained head
 
 
 class RoutingError(Exception):
@@ -113,22 +111,22 @@ class Router:
         """need(room): KV positions the session will reserve on a verify worker that keeps `room`
         positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths).
         numerics: the request's first verify worker's, once it has had one (see pick_verify)."""
-        if method == HEAD:
-            # The head lives beside the target: a verify worker that has one serves the request
-            # alone, no draft worker involved.
+        if method in VERIFY_METHODS:        # served by a verify worker alone, no draft worker involved
+            wants = "" if method == "none" else method                 # every verify worker decodes
             try:
-                verify = await self.pick_verify(affinity, set(exclude), need, method=HEAD, numerics=numerics)
-                return Route(verify, None, HEAD, need(self.room(verify)), numerics=self.numerics_of(verify))
+                verify = await self.pick_verify(affinity, set(exclude), need, method=wants, numerics=numerics)
             except RoutingError:
-                verify = await self.pick_verify(affinity, set(exclude), need, numerics=numerics)
-                self._fell_back(method, verify, "no verify worker with a trained head is available")
-                return Route(verify, None, "none", need(self.room(verify)), numerics=self.numerics_of(verify))
+                if not wants:
+                    raise
+                verify, method = await self.pick_verify(affinity, set(exclude), need, numerics=numerics), "none"
+                self._fell_back(wants, verify, f"no verify worker serving draft method {wants} is available")
+            return Route(verify, None, method, need(self.room(verify)), numerics=self.numerics_of(verify))
         verify = await self.pick_verify(affinity, set(exclude), need, numerics=numerics)
-        drafts = await self.draft_pool() if method != "none" else None
-        down = await self.down_links(verify, drafts) if method != "none" else {}
-        draft = await self.pick_draft(method, set(exclude) | set(down), drafts) if method != "none" else None
+        drafts = await self.draft_pool()
+        down = await self.down_links(verify, drafts)
+        draft = await self.pick_draft(method, set(exclude) | set(down), drafts)
         retry_at = None
-        if method != "none" and draft is None:
+        if draft is None:
             if down:
                 retry_at = min(down.values())
                 self._fell_back(method, verify, f"the link from every {method} draft worker to verify worker "
@@ -162,9 +160,9 @@ class Router:
 
     async def pick_verify(self, affinity: str, exclude: set[str], need: Callable[[int], int] = no_kv,
                           method: str = "", numerics: str = "") -> str:
-        """method: HEAD for a verify worker with a trained head loaded; "" for any. numerics: where
-        given, workers of these numerics come before all others (a move to other numerics is
-        counted, tandem_numerics_switches_total)."""
+        """method: a draft method the worker must serve itself (registered in its methods); "" for
+        any. numerics: where given, workers of these numerics come before all others (a move to
+        other numerics is counted, tandem_numerics_switches_total)."""
         raise NotImplementedError
 
     async def pick_draft(self, method: str, exclude: set[str], drafts: list[WorkerInfo] | None = None) -> str | None:
@@ -284,7 +282,7 @@ class RedisRouter(Router):
                 return w.address
         best = self._least_loaded(usable)
         if best is None:
-            raise RoutingError(f"no verify worker for model {self.model!r}{' with a head' if method else ''}"
+            raise RoutingError(f"no verify worker for model {self.model!r}{f' serving {method}' if method else ''}"
                                f"{f' at dtype {self.dtype}' if self.dtype else ''} is registered in Redis"
                                if not workers else
                                f"every verify worker for model {self.model!r} has failed for this request")

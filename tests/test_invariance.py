@@ -73,7 +73,7 @@ def test_int4_is_refused_where_it_cannot_run(monkeypatch):
     from tandem.engine.modeling import dtype_problem
     assert "runs on the CPU only" in dtype_problem("int4", "cuda")
     monkeypatch.setattr(rowgemm, "int4", lambda: False)
-    assert "AVX512-VNNI" in dtype_problem("int4", "cpu")
+    assert "AVX512-VNNI or AVX2" in dtype_problem("int4", "cpu")
     monkeypatch.setattr(rowgemm, "int4", lambda: True)
     assert dtype_problem("int4", "cpu") is None
 
@@ -182,6 +182,14 @@ def test_numerics_name_the_dtype_and_kernel_and_part_precisions(target, draft):
     assert target.numerics.startswith(f"{target.dtype}, linear ")
     assert "not batch-invariant" not in target.numerics and draft.numerics.endswith(", not batch-invariant")
     assert (target.numerics == draft.numerics.removesuffix(", not batch-invariant")) == (target.dtype == "int8")
+
+
+@pytest.mark.skipif(not rowgemm.int4(), reason="needs AVX512-VNNI or AVX2")
+def test_an_int4_model_keeps_its_output_layer_at_int8(draft_int4):
+    layers = [m for m in draft_int4.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert draft_int4.model.get_output_embeddings() in layers
+    assert [type(m) for m in layers] == [Int4Linear] * (len(layers) - 1) + [Int8Linear]
+    assert "int4 in groups of 64, output layer int8" in draft_int4.numerics
 
 
 CHAT = ["Write a Python function that checks whether a string is a palindrome.",

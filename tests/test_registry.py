@@ -253,6 +253,18 @@ async def test_router_sends_head_requests_to_verify_workers_with_a_head(redis_cl
     assert (await router.route("head")).method == "none"             # its only head worker just failed
 
 
+@pytest.mark.unit
+def test_the_methods_a_verify_worker_serves_itself_are_one_list():
+    """The gateway routes a verify worker's own methods with no draft worker; the verify worker
+    serves exactly those, and the request's choices are the two pools' methods."""
+    from gateway.request import DRAFT_METHODS
+    from tandem.cluster.registry import DRAFT_POOL_METHODS, VERIFY_METHODS
+    from verify_worker.rounds import OWN_METHODS
+    assert set(OWN_METHODS) == set(VERIFY_METHODS)
+    assert set(DRAFT_METHODS) == set(DRAFT_POOL_METHODS) | set(VERIFY_METHODS)
+    assert not set(DRAFT_POOL_METHODS) & set(VERIFY_METHODS)
+
+
 @pytest.mark.system
 async def test_a_moved_request_keeps_to_its_first_workers_numerics(redis_client, caplog):
     """A verify worker registers its dtype and numerics; a request that moves goes on at a worker

@@ -108,19 +108,26 @@ def test_the_fused_int8_layer_is_the_torch_formula_bit_for_bit():
         assert torch.equal(rowgemm.linear_int8(x[3:4], packed, scales, 130, which), fused[3:4])
 
 
-@pytest.mark.skipif(not rowgemm.int4(), reason="needs AVX512-VNNI")
-def test_int4_groups_sum_right_and_each_row_as_if_alone():
-    """Weights at both extremes (-8, 7), inputs not a whole number of groups (1100 = 17 groups
-    and 12) and longer than a block of the kernel (512): each group's exact integer sum times its
-    scale, groups added in order, times the row's scale (as int8's rows are quantized)."""
+INT4_ISAS = [1, 2][:["none", "avx2", "avx512-vnni"].index(rowgemm.int4_isa())]
+
+
+@pytest.mark.skipif(not rowgemm.int4(), reason="needs AVX512-VNNI or AVX2")
+@pytest.mark.parametrize("which", INT4_ISAS)
+def test_int4_groups_sum_right_and_each_row_as_if_alone(which):
+    """Weights at both extremes (-8, 7) and inputs at both (the rows' largest magnitudes, so the
+    AVX2 path's int16 sums reach their bound), inputs not a whole number of groups (1100 = 17
+    groups and 12) and longer than a block of the kernel (512): each group's exact integer sum
+    times its scale, groups added in order, times the row's scale (as int8's rows are quantized);
+    every ISA gives the same bits."""
     torch.manual_seed(7)
     w = torch.randint(-8, 8, (130, 1100), dtype=torch.int8)
     w[0], w[1] = 7, -8
     groups = -(-1100 // rowgemm.GROUP)
     scales = torch.rand(130, groups) + 0.01
     x = torch.randn(70, 1100)
+    x[0], x[1] = 1.0, -1.0
     packed = rowgemm.pack_int4(w, scales)
-    full = rowgemm.linear_int4(x, packed, 130)
+    full = rowgemm.linear_int4(x, packed, 130, which)
     row_scale = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
     q = torch.zeros(70, groups * rowgemm.GROUP, dtype=torch.float64)
     q[:, :1100] = torch.round(x / row_scale).double()
@@ -130,8 +137,9 @@ def test_int4_groups_sum_right_and_each_row_as_if_alone():
     assert torch.equal(sums, sums.round())                    # exact in float64 too
     expected = (sums * scales.double()).sum(-1) * row_scale.double()
     assert torch.allclose(full.double(), expected, rtol=1e-5, atol=1e-4)
-    lone = torch.cat([rowgemm.linear_int4(x[i:i + 1], packed, 130) for i in range(70)])
-    assert all(torch.equal(rowgemm.linear_int4(x[:n], packed, 130), lone[:n]) for n in ROWS)
+    lone = torch.cat([rowgemm.linear_int4(x[i:i + 1], packed, 130, which) for i in range(70)])
+    assert all(torch.equal(rowgemm.linear_int4(x[:n], packed, 130, which), lone[:n]) for n in ROWS)
+    assert torch.equal(full, rowgemm.linear_int4(x, packed, 130, INT4_ISAS[0]))
 
 
 def test_a_wrong_input_is_refused_with_its_reason():
@@ -148,6 +156,8 @@ def test_a_wrong_input_is_refused_with_its_reason():
         packed = rowgemm.pack_int4(torch.zeros(64, 128, dtype=torch.int8), torch.ones(64, 2))
         with pytest.raises(RuntimeError, match="x has 16 features, the weight 128"):
             rowgemm.linear_int4(torch.randn(2, 16), packed, 64)
+        with pytest.raises(RuntimeError, match=r"int4 ISA 3 \(1 AVX2, 2 AVX512-VNNI\) is beyond this CPU's"):
+            rowgemm.linear_int4(torch.randn(2, 128), packed, 64, which=3)
 
 
 def test_bfloat16_serves_on_onednn_where_the_cpu_has_amx_tiles(monkeypatch):

@@ -9,7 +9,8 @@ from typing import Protocol
 from tandem.engine.batcher import Step
 from verify_worker.engine import TargetSession, VerifyEngine
 
-# The draft methods a verify worker can serve itself, and what one that does not serve a method lacks.
+# The draft methods a verify worker can serve itself (tandem.cluster.registry.VERIFY_METHODS), and
+# what one that does not serve a method lacks.
 OWN_METHODS = {"none": "", "head": "it has no trained head loaded (--head)"}
 
 

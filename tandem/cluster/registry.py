@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "tandem:"
 DRAFT, VERIFY = "draft", "verify"
+# The draft methods by the pool that drafts them: a draft worker's, or a verify worker's own, served
+# with no draft worker ("none" by every verify worker, the others by those that register them).
+DRAFT_POOL_METHODS = ("model", "ngram")
+VERIFY_METHODS = ("none", "head")
 
 
 @dataclass
@@ -31,7 +35,7 @@ class WorkerInfo:
     pool: str                        # DRAFT or VERIFY
     model: str                       # verify: its target model; draft: the target it drafts for
     methods: list[str] = field(default_factory=list)   # draft methods served: a draft worker's, or
-                                                       # "head" on a verify worker with a trained head
+                                                       # a verify worker's own beside "none"
     capacity: int = 0                # KV budget in tokens (0 = not budgeted)
     load: int = 0                    # sessions being served right now
     kv_free: int = 0                 # budget tokens not held by live sessions

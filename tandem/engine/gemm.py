@@ -174,10 +174,17 @@ class Int8Linear(torch.nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
+def quantize_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [out, groups, GROUP] float32 -> (int8 in -8..7 of the same shape, scales [out,
+    groups]): each group on the scale of its largest magnitude over 7."""
+    scales = groups.abs().amax(2).clamp(min=1e-12) / 7
+    return torch.round(groups / scales[..., None]).clamp_(-8, 7).to(torch.int8), scales
+
+
 class Int4Linear(torch.nn.Module):
     """int4 weights in groups of rowgemm.GROUP inputs, a float32 scale per output and group (its
     largest magnitude over 7), packed once; each call's rows quantized to int8 as Int8Linear's and
-    multiplied on Tandem's kernel (rowgemm.linear_int4; AVX512-VNNI only). Half int8's bytes, for
+    multiplied on Tandem's kernel (rowgemm.linear_int4; AVX512-VNNI or AVX2). Half int8's bytes, for
     models whose steps are bound by reading their weights (a draft's)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -188,10 +195,8 @@ class Int4Linear(torch.nn.Module):
             groups = -(-self.in_features // rowgemm.GROUP)
             padded = torch.zeros(self.out_features, groups * rowgemm.GROUP)
             padded[:, :self.in_features] = w
-            by_group = padded.view(self.out_features, groups, rowgemm.GROUP)
-            scales = by_group.abs().amax(2).clamp(min=1e-12) / 7
-            int4 = torch.round(by_group / scales[..., None]).clamp_(-8, 7).to(torch.int8).flatten(1)
-            self.packed = rowgemm.pack_int4(int4, scales)      # the padding quantized to zeros
+            int4, scales = quantize_int4(padded.view(self.out_features, groups, rowgemm.GROUP))
+            self.packed = rowgemm.pack_int4(int4.flatten(1), scales)      # the padding quantized to zeros
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,7 +337,10 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True, bits: int = 8
     """Replaces every float32 nn.Linear of `model` on the CPU with an int8 one (bits 8), or an
     Int4Linear (bits 4), in place; returns how many. int8 per_row: Int8Linear (batch-invariant);
     else torch.ao's dynamic quantization. A tied output layer gets a quantized copy; the embedding
-    stays as it is."""
+    stays as it is. At 4 bits the output layer takes 8 (Int8Linear), as llama.cpp's 4-bit files
+    keep theirs wider: its rows are the logits a draft proposes from, and 4 bits there cost more
+    agreement with the target than all the other layers' 4 bits together (docs/benchmarks.md,
+    "int4 weights for a draft")."""
     swaps = _linears(model, (torch.float32,))
     if bits == 8 and not per_row:
         with warnings.catch_warnings():
@@ -342,8 +350,9 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True, bits: int = 8
     if bits == 8 and swaps and int8_weight_bits() == 7:
         log.warning("no Tandem int8 kernel here, and oneDNN's saturates 8-bit pairs: int8 weights take 7 bits")
     layer = Int4Linear if bits == 4 else Int8Linear
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for parent, name, child in swaps:
-        setattr(parent, name, layer(child))
+        setattr(parent, name, (Int8Linear if child is output else layer)(child))
     if swaps:
         _detach_from_file(model)
     return len(swaps)

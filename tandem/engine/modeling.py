@@ -37,7 +37,7 @@ def dtype_problem(dtype: str, device: str) -> str | None:
     if dtype in ("int8", "int4") and not device.startswith("cpu"):
         return f"dtype {dtype} runs on the CPU only (its kernels are); use bfloat16 on {device}"
     if dtype == "int4" and not rowgemm.int4():
-        return "dtype int4 runs on Tandem's CPU kernel on AVX512-VNNI only (not built, or not this CPU); use int8"
+        return "dtype int4 runs on Tandem's CPU kernel on AVX512-VNNI or AVX2 only (not built, or not this CPU); use int8"
     if dtype == "float16" and device.startswith("cpu"):
         return ("dtype float16 runs on a GPU only (the CPU has no float16 kernel here that keeps a row's "
                 "result independent of its batch); use bfloat16 or int8 on the CPU")
@@ -50,7 +50,7 @@ def load_weights(path: Path, dtype: str, device: str, batch_invariant: bool = Tr
     like every precision here a row's result does not depend on the other rows of its pass, and
     where Tandem's int8 kernel runs (tandem.engine.rowgemm.int8), which is faster; else with a
     scale per call (tandem.engine.gemm). int4 is int8 with 4-bit weights in groups of 64 inputs
-    (CPUs with AVX512-VNNI; batch-invariant too), for drafts. vocab: a draft's output layer keeps that many (tandem.engine.vocab)."""
+    (CPUs with AVX512-VNNI or AVX2; batch-invariant too), for drafts. vocab: a draft's output layer keeps that many (tandem.engine.vocab)."""
     if problem := dtype_problem(dtype, device):
         raise ValueError(problem)
     load_as = torch.float32 if dtype in ("int8", "int4") else getattr(torch, dtype)
@@ -114,7 +114,7 @@ class CausalLM:
         if not self.device.startswith("cpu"):
             linear = f"{self.device} (CUDA {torch.version.cuda})"
         elif self.dtype == "int4":
-            linear = f"tandem int4 in groups of {rowgemm.GROUP}"
+            linear = f"tandem int4 in groups of {rowgemm.GROUP}, output layer int8"
         elif self.dtype != "int8":
             linear = f"tandem {rowgemm.isa()}" if self.packed and gemm.own_kernel(getattr(torch, self.dtype)) else "onednn"
         else:

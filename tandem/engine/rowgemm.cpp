@@ -558,13 +558,107 @@ TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, flo
   }
 }
 
+// AVX2: vpmaddubsw adds the products of a pair of k's in int16, exactly: with 4-bit weights a
+// pair is at most 2 * 255 * 8 in magnitude, and the low and high nibbles' pairs of Q consecutive
+// quad pairs at most 2 * 2 * 255 * 8 * Q, within int16 for Q = 4. vpmaddwd by ones then adds an
+// output's two int16 sums into int32. The group's sums are VNNI's exact integers, scaled and added
+// to c by the same float32 operations, so a row's result is the same on either ISA. V vectors (8 V
+// outputs) of a tile, R rows.
+constexpr int64_t Q = 4;
+
+template <int R, int V>
+TARGET_AVX2 void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
+                             const float* sw, const int32_t* off, int64_t groups, bool first) {
+  const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
+  int64_t ld4 = ldx / 4;
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i a[R][V];
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < V; v++) a[r][v] = _mm256_setzero_si256();
+    for (int64_t p0 = g * G / 8; p0 < (g + 1) * G / 8; p0 += Q) {
+      __m256i s[R][V];
+      for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) s[r][v] = _mm256_setzero_si256();
+      for (int64_t p = p0; p < p0 + Q; p++) {
+        const uint8_t* wp = w + p * 4 * NB;
+        __m256i xa[R], xb[R];
+        for (int r = 0; r < R; r++) {
+          xa[r] = _mm256_set1_epi32(x4[r * ld4 + 2 * p]);
+          xb[r] = _mm256_set1_epi32(x4[r * ld4 + 2 * p + 1]);
+        }
+        for (int v = 0; v < V; v++) {
+          __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * v));
+          __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, low), eight);
+          __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), eight);
+          for (int r = 0; r < R; r++)
+            s[r][v] = _mm256_add_epi16(s[r][v], _mm256_add_epi16(_mm256_maddubs_epi16(xa[r], lo),
+                                                                 _mm256_maddubs_epi16(xb[r], hi)));
+        }
+      }
+      for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) a[r][v] = _mm256_add_epi32(a[r][v], _mm256_madd_epi16(s[r][v], ones));
+    }
+    bool fresh = first && g == 0;
+    for (int v = 0; v < V; v++) {
+      __m256 sc = _mm256_loadu_ps(sw + g * NB + 8 * v);
+      __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off + g * NB + 8 * v));
+      for (int r = 0; r < R; r++) {
+        float* cr = c + r * ldc + 8 * v;
+        __m256 sum = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(cr);
+        _mm256_storeu_ps(cr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][v], o)), sc, sum));
+      }
+    }
+  }
+}
+
+enum Int4Isa : int64_t { INT4_NONE = 0, INT4_AVX2 = 1, INT4_VNNI = 2 };
+
+int64_t best_int4() {
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (has_vnni()) return INT4_VNNI;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? INT4_AVX2 : INT4_NONE;
+  }();
+  return best;
+}
+
+// One block of a tile (`groups` groups) for m rows from row 0: VNNI 4 rows at a time; AVX2 as its
+// int8 kernel, a row at a time over the whole tile below SHARED_FROM rows, else quarters, 3 rows
+// at a time.
+void tile_int4(int64_t isa, const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
+               const float* sw, const int32_t* off, int64_t m, int64_t groups, bool first) {
+  using Part = void (*)(const uint8_t*, const uint8_t*, int64_t, float*, int64_t, const float*, const int32_t*,
+                        int64_t, bool);
+  auto blocks = [&](int64_t most, Part full, const Part* fewer, int64_t o0) {
+    int64_t r = 0;
+    for (; r + most <= m; r += most)
+      full(w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, off + o0, groups, first);
+    if (r < m) fewer[m - r](w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, off + o0, groups, first);
+  };
+  if (isa == INT4_VNNI) {
+    static const Part fewer[] = {nullptr, tile_vnni4<1>, tile_vnni4<2>, tile_vnni4<3>};
+    blocks(4, tile_vnni4<4>, fewer, 0);
+  } else if (m < SHARED_FROM) {
+    static const Part fewer[] = {nullptr, part_avx2_4<1, 8>};
+    blocks(1, part_avx2_4<1, 8>, fewer, 0);
+  } else {
+    static const Part fewer[] = {nullptr, part_avx2_4<1, 2>, part_avx2_4<2, 2>};
+    for (int64_t o = 0; o < NB; o += 16) blocks(3, part_avx2_4<3, 2>, fewer, o);
+  }
+}
+
 // x [M, K] float32 -> [M, N] float32: each row quantized as for int8 (k padded with zeros to the
 // weight's K, a multiple of G), the grouped sums above, times the row's scale. packed
 // [tiles, K / 8, NB, 4] uint8; scales and offsets [tiles, K / G, NB] (offsets: 128 times each
 // group's weights' sum).
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
-                       const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(has_vnni(), "rowgemm_linear_int4: int4 layers need AVX512-VNNI");
+                       const at::Tensor& scales, int64_t n, int64_t which) {
+  int64_t best = best_int4();
+  if (which == INT4_NONE) which = best;
+  TORCH_CHECK(best != INT4_NONE, "rowgemm_linear_int4: int4 layers need AVX512-VNNI or AVX2");
+  TORCH_CHECK(which >= 0 && which <= best, "rowgemm_linear_int4: int4 ISA ", which,
+              " (1 AVX2, 2 AVX512-VNNI) is beyond this CPU's ", best);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "rowgemm_linear_int4: x is a contiguous float32 [rows, in_features]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 4 && packed.is_contiguous() &&
@@ -583,8 +677,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* rs = row_scale.data_ptr<float>();
+  auto quantize = has_avx512() ? quantize_row512 : quantize_row;
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) quantize_row512(xp + r * k, k, kw, qp + r * kw, rs + r);
+    for (int64_t r = r0; r < r1; r++) quantize(xp + r * k, k, kw, qp + r * kw, rs + r);
   });
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sw = scales.data_ptr<float>();
@@ -597,12 +692,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t k0 = 0; k0 < kw; k0 += KB) {
         const uint8_t* wb = w + (t * kw + k0) * NB / 2;
         int64_t at = (t * groups + k0 / G) * NB, blocks = std::min(KB, kw - k0) / G;
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4)
-          tile_vnni4<4>(wb, qp + r * kw + k0, kw, cp + r * ldc + t * NB, ldc, sw + at, off + at, blocks, k0 == 0);
-        int64_t left = m - r;
-        auto rest4 = left == 3 ? tile_vnni4<3> : left == 2 ? tile_vnni4<2> : tile_vnni4<1>;
-        if (left) rest4(wb, qp + r * kw + k0, kw, cp + r * ldc + t * NB, ldc, sw + at, off + at, blocks, k0 == 0);
+        tile_int4(which, wb, qp + k0, kw, cp + t * NB, ldc, sw + at, off + at, m, blocks, k0 == 0);
       }
       int64_t j1 = std::min(n, (t + 1) * NB);
       for (int64_t r = 0; r < m; r++)
@@ -704,6 +794,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rowgemm_linear_quads(Tensor x, Tensor packed, int which=0) -> Tensor", linear_quads);
   m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
         linear_int8);
-  m.def("rowgemm_int4() -> bool", [] { return has_vnni(); });
-  m.def("rowgemm_linear_int4(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n) -> Tensor", linear_int4);
+  m.def("rowgemm_int4_isa() -> int", [] { return best_int4(); });
+  m.def("rowgemm_linear_int4(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
+        linear_int4);
 }

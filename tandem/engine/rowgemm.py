@@ -14,9 +14,9 @@ construction, tests/test_rowgemm.py).
   exact (tandem.engine.gemm keeps it on CPUs with neither). Where the CPU has AMX-INT8 tiles, a
   call of 4 rows or more (a verify pass, a prefill) runs on them, from the same packed weights:
   the same exact sums, so a row's result does not depend on which unit its call took.
-- int4 weights in groups of GROUP inputs, a float32 scale per output and group, on AVX512-VNNI only
-  (`int4`): a group's sum exact in integers, groups added in order in float32, so a row's result
-  is the same in any call. Half int8's bytes: a draft model's steps, bound by reading its weights.
+- int4 weights in groups of GROUP inputs, a float32 scale per output and group, on AVX512-VNNI or
+  AVX2 (`int4`): a group's sum exact in integers on either, groups added in order in float32 by
+  the same operations, so a row's result is the same in any call and on either ISA. Half int8's bytes: a draft model's steps, bound by reading its weights.
 
 Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
@@ -147,8 +147,13 @@ NB = 64         # outputs per tile (rowgemm.cpp)
 
 
 def int4() -> bool:
-    """Whether int4 layers run here (Tandem's kernel on AVX512-VNNI; there is no other path)."""
-    return available() and bool(_ops().rowgemm_int4())
+    """Whether int4 layers run here (Tandem's kernel on AVX512-VNNI or AVX2; there is no other path)."""
+    return int4_isa() != "none"
+
+
+def int4_isa() -> str:
+    """The instruction set int4 layers run on here: avx512-vnni, avx2 or none."""
+    return ("none", "avx2", "avx512-vnni")[_ops().rowgemm_int4_isa()] if available() else "none"
 
 
 def pack_int4(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,12 +173,12 @@ def pack_int4(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def linear_int4(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                out_features: int) -> torch.Tensor:
+                out_features: int, which: int = 0) -> torch.Tensor:
     """x [rows, in] float32 -> [rows, out_features] float32 in one call: each row quantized as for
     `linear_int8`, each group's exact sum times its scale, added group by group in order, times
-    the row's scale."""
+    the row's scale. which: 0 the best ISA here, 1 AVX2, 2 AVX512-VNNI (tests)."""
     weights, offsets, scales = packed
-    return _ops().rowgemm_linear_int4(x.contiguous(), weights, offsets, scales, out_features)
+    return _ops().rowgemm_linear_int4(x.contiguous(), weights, offsets, scales, out_features, which)
 
 
 def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:
