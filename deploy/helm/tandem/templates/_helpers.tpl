@@ -75,7 +75,7 @@ TANDEM_TARGET_MODEL. The registry matches these names as strings, so they are on
 
 {{/* The pool's weight dtype: its own, else bfloat16 on a GPU and, on the CPU, bfloat16 for verify
 (docs/benchmarks.md, "The target's precision") and int8 for draft. int8 and int4 run on the CPU
-only (int4 where it has AVX512-VNNI) and float16 on a GPU only; the worker refuses them elsewhere. */}}
+only (int4 where it has AVX512-VNNI or AVX2) and float16 on a GPU only; the worker refuses them elsewhere. */}}
 {{- define "tandem.dtype" -}}
 {{- $device := include "tandem.device" . }}
 {{- $dtype := .pool.dtype }}
