@@ -190,6 +190,8 @@ def test_an_int4_model_keeps_its_output_layer_at_int8(draft_int4):
     assert draft_int4.model.get_output_embeddings() in layers
     assert [type(m) for m in layers] == [Int4Linear] * (len(layers) - 1) + [Int8Linear]
     assert "int4 in groups of 64, output layer int8" in draft_int4.numerics
+    trimmed = CausalLM(PRESET, threads=2, dtype="int4", batch_invariant=False, vocab=4096)
+    assert type(trimmed.model.get_output_embeddings().inner) is Int8Linear
 
 
 CHAT = ["Write a Python function that checks whether a string is a palindrome.",

@@ -351,6 +351,7 @@ def quantize_linears(model: torch.nn.Module, per_row: bool = True, bits: int = 8
         log.warning("no Tandem int8 kernel here, and oneDNN's saturates 8-bit pairs: int8 weights take 7 bits")
     layer = Int4Linear if bits == 4 else Int8Linear
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = getattr(output, "inner", output)           # a trimmed output layer's (tandem.engine.vocab)
     for parent, name, child in swaps:
         setattr(parent, name, (Int8Linear if child is output else layer)(child))
     if swaps:
