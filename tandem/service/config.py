@@ -92,8 +92,9 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str, default
     add_flag(parser, "--model", default=default_model,
              help="preset name, Hugging Face folder or .gguf file")
     add_flag(parser, "--dtype", default=default_dtype,
-             help="float32, bfloat16, float16 (GPU only), or int8 (weights and each row of inputs in "
-                  "int8, CPU only)")
+             help="float32, bfloat16, float16 (GPU only), int8 (weights and each row of inputs in "
+                  "int8, CPU only), or int4 (weights in 4 bits in groups of 64 inputs, the output layer "
+                  "int8, inputs as int8's; CPU with AVX512-VNNI or AVX2 only, for a draft)")
     add_flag(parser, "--threads", default=2, type=int, help="torch intra-op threads")
     add_flag(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_flag(parser, "--calibrate", default=True, type=bool,
