@@ -112,7 +112,7 @@ class Router:
         positions for a proposal (tandem.engine.kvpool.kv_need with the request's lengths).
         numerics: the request's first verify worker's, once it has had one (see pick_verify)."""
         if method in VERIFY_METHODS:        # served by a verify worker alone, no draft worker involved
-            wants = "" if method == "none" else method                 # every verify worker decodes
+            wants = "" if method == "none" else method                 # "none": any verify worker
             try:
                 verify = await self.pick_verify(affinity, set(exclude), need, method=wants, numerics=numerics)
             except RoutingError:

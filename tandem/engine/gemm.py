@@ -174,13 +174,6 @@ class Int8Linear(torch.nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-def quantize_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """groups [out, groups, GROUP] float32 -> (int8 in -8..7 of the same shape, scales [out,
-    groups]): each group on the scale of its largest magnitude over 7."""
-    scales = groups.abs().amax(2).clamp(min=1e-12) / 7
-    return torch.round(groups / scales[..., None]).clamp_(-8, 7).to(torch.int8), scales
-
-
 class Int4Linear(torch.nn.Module):
     """int4 weights in groups of rowgemm.GROUP inputs, a float32 scale per output and group (its
     largest magnitude over 7), packed once; each call's rows quantized to int8 as Int8Linear's and
@@ -195,8 +188,10 @@ class Int4Linear(torch.nn.Module):
             groups = -(-self.in_features // rowgemm.GROUP)
             padded = torch.zeros(self.out_features, groups * rowgemm.GROUP)
             padded[:, :self.in_features] = w
-            int4, scales = quantize_int4(padded.view(self.out_features, groups, rowgemm.GROUP))
-            self.packed = rowgemm.pack_int4(int4.flatten(1), scales)      # the padding quantized to zeros
+            by_group = padded.view(self.out_features, groups, rowgemm.GROUP)
+            scales = by_group.abs().amax(2).clamp(min=1e-12) / 7
+            int4 = torch.round(by_group / scales[..., None]).clamp_(-8, 7).to(torch.int8).flatten(1)
+            self.packed = rowgemm.pack_int4(int4, scales)      # the padding quantized to zeros
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
