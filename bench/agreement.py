@@ -67,11 +67,10 @@ def measure(lm: CausalLM, runs: list[tuple[str, list[int], list[int]]]) -> dict:
                                              .argmax(-1).tolist(), target)]
         cache.release()
         hits.setdefault(kind, []).extend(agree)
-        for i in range(len(agree)):
-            n = 0
-            while i + n < len(agree) and agree[i + n] and n < RUN_CAP:
-                n += 1
-            reach.setdefault(kind, []).append(n)
+        run = 0
+        for hit in reversed(agree):          # the run from a position: one more than the next one's
+            run = min(run + 1, RUN_CAP) if hit else 0
+            reach.setdefault(kind, []).append(run)
     cache = lm.new_cache(160)
     lm.forward(list(range(100, 228)), cache, last=1)
     steps = []

@@ -4,9 +4,9 @@ beside llama.cpp (the peers section of `make bench`), in one run.
 Tandem: stacks per target dtype (tandem.launch.Stack, --dtype float32, bfloat16, int8 on the
 verify worker), one stream, greedy, the chat prompts of bench/e2e.py: draft methods none (plain
 decoding) and ngram as a deployment without a draft pool runs them, and model with the Qwen pair's
-0.5B draft at each --draft-dtypes (int8, and int4 where the CPU runs it) on the same cores. tokens/s is end to end through the gateway (prompt
-included). Each speculative row's
-outputs are compared with the plain row's at the same dtype: with batch-invariant numerics they
+0.5B draft at each --draft-dtypes (int8, and int4 where the CPU runs it) on the same cores.
+tokens/s is end to end through the gateway (prompt included). Each speculative row's outputs are
+compared with the plain row's at the same dtype: with batch-invariant numerics they
 must be equal (tandem.engine.gemm), and a difference is reported loudly.
 
 llama.cpp (bench/llamacpp.py; built once from the sources on PyPI and cached; skipped with a message

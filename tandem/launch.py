@@ -89,10 +89,10 @@ class Stack:
     # process and every thread it starts run only there. Kinds left out run anywhere.
     cpus: dict[str, str] = field(default_factory=dict)
     # A draft worker's torch threads: 0 for one thread where it shares the cores with the verify
-    # worker (no CPUs of its own in `cpus`), else `threads` (threads_of_draft). One thread has no OpenMP team to wake
-    # for each of a step's layers while the two processes take turns, and leaves the verify
-    # worker a core when they run at once: a third of a round at one stream, faster at four
-    # (docs/benchmarks.md, "A draft beside the target on one thread").
+    # worker (no CPUs of its own in `cpus`), else `threads` (threads_of_draft). One thread has no
+    # OpenMP team to wake for each of a step's layers while the two processes take turns, and
+    # leaves the verify worker a core when they run at once: a third of a round at one stream,
+    # faster at four (docs/benchmarks.md, "A draft beside the target on one thread").
     draft_threads: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)

@@ -16,7 +16,8 @@ construction, tests/test_rowgemm.py).
   the same exact sums, so a row's result does not depend on which unit its call took.
 - int4 weights in groups of GROUP inputs, a float32 scale per output and group, on AVX512-VNNI or
   AVX2 (`int4`): a group's sum exact in integers on either, groups added in order in float32 by
-  the same operations, so a row's result is the same in any call and on either ISA. Half int8's bytes: a draft model's steps, bound by reading its weights.
+  the same operations, so a row's result is the same in any call and on either ISA. Half int8's
+  bytes: a draft model's steps, bound by reading its weights.
 
 Why a kernel of its own: decoding reads every weight once per token, so a step's time is the
 weights' bytes over the memory's speed, and oneDNN's kernels read at about half the speed this
