@@ -58,6 +58,25 @@ def timed_generate(stub, req) -> tuple[dict, object]:
             "forced": u.forced_tokens, "forced_accepted": u.forced_accepted_tokens, "text": r.text}, r
 
 
+def timed_stream(stub, req) -> dict:
+    """timed_generate's figures through GenerateStream, with the decoding apart from the prompt:
+    `decode_tokens` are the tokens after the first message, `decode_seconds` the time from the
+    first message to the last (as llama.cpp times its generation: prompt processing and the token
+    it yields apart)."""
+    start = time.perf_counter()
+    first, text, last = None, [], None
+    first_tokens = 0
+    for msg in stub.GenerateStream(req, timeout=1800):
+        if msg.token_count and first is None:
+            first, first_tokens = time.perf_counter(), msg.token_count
+        text.append(msg.text)
+        last = msg
+    end = time.perf_counter()
+    u = last.usage
+    return {"tokens": u.generated_tokens, "seconds": end - start, "rounds": u.verify_rounds, "text": "".join(text),
+            "decode_tokens": u.generated_tokens - first_tokens, "decode_seconds": end - (first or end)}
+
+
 def summarize(runs: list[dict]) -> dict:
     rates = [r["tok_s"] for r in runs]
     drafted = sum(r.get("drafted", 0) for r in runs)
