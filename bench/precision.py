@@ -8,7 +8,8 @@ decoding) and ngram as a deployment without a draft pool runs them, and model wi
 Requests stream (GenerateStream): a row's decoding tokens/s are its tokens after the first message
 over the time from that message to the last, as llama.cpp reports its own, and the ratios to
 llama.cpp are taken on them; its end-to-end tokens/s (the prompt's processing and the gateway
-included) are shown beside. Each speculative row's outputs are
+included) are shown beside, and the share of that time the target's and the draft's inference
+threads were busy (their tandem_inference_busy_seconds_total). Each speculative row's outputs are
 compared with the plain row's at the same dtype: with batch-invariant numerics they
 must be equal (tandem.engine.gemm), and a difference is reported loudly.
 
@@ -43,7 +44,9 @@ import grpc
 
 from bench import llamacpp
 from bench.e2e import PROMPTS
+from bench.load import scrape
 from bench.report import fill_defaults, machine, timed_generate, timed_stream, write_json
+from bench.topology import BUSY
 from tandem.client import build_request
 from tandem.cluster.redis_conn import ensure_redis
 from tandem.engine import rowgemm
@@ -66,8 +69,17 @@ def redis_db(url: str, db: int) -> str:
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 
-def tandem_run(stub, method: str, n_new: int, prompt: str) -> dict:
-    return timed_stream(stub, build_request(prompt, chat=True, max_new_tokens=n_new, method=method))
+def tandem_run(stub, method: str, n_new: int, workers: dict[str, str], prompt: str) -> dict:
+    """One request, and the seconds each of `workers` ({"target": metrics URL, "draft": ...}) spent
+    in its inference thread meanwhile: one request at a time, so they are all this request's."""
+    def busy() -> dict[str, float | None]:
+        return {k: scrape(url, "counter").get(BUSY) for k, url in workers.items()}
+
+    before = busy()
+    run = timed_stream(stub, build_request(prompt, chat=True, max_new_tokens=n_new, method=method))
+    after = busy()
+    run["busy"] = {k: after[k] - v for k, v in before.items() if None not in (v, after[k])}
+    return run
 
 
 def tandem_phases(a, dtype: str, redis_url: str) -> list:
@@ -83,7 +95,7 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
     def plain(opened: contextlib.ExitStack) -> dict:
         stack = opened.enter_context(Stack(a.target, "none", threads=a.threads, verify_args=verify_args,
                                            redis_url=redis_db(redis_url, 1)))
-        return engines(opened, stack, [("none", "none", "gateway"), ("ngram", "ngram", "gateway")])
+        return engines(opened, stack, [("none", "none", "gateway", None), ("ngram", "ngram", "gateway", None)])
 
     def drafted(opened: contextlib.ExitStack) -> dict:
         stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
@@ -95,15 +107,16 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
         for row, flags in drafts:
             draft = stack.add_worker("draft_worker", extra_args=flags)
             rows.append((row, "model", stack.add_gateway(["--verify-workers", verify, "--draft-workers",
-                                                          stack.address(draft)])))
+                                                          stack.address(draft)]), draft))
         return engines(opened, stack, rows)
 
     def engines(opened: contextlib.ExitStack, stack: Stack, rows: list) -> dict:
         out = {}
-        for row, method, gateway in rows:
+        for row, method, gateway, draft in rows:
             stub = pb_grpc.GenerationServiceStub(opened.enter_context(grpc.insecure_channel(stack.address(gateway))))
             timed_generate(stub, build_request("warm up", chat=True, max_new_tokens=8, method=method))
-            out[("Tandem", dtype, row)] = partial(tandem_run, stub, method, a.max_new_tokens)
+            workers = {"target": stack.metrics_url("verify_worker"), **({"draft": stack.metrics_url(draft)} if draft else {})}
+            out[("Tandem", dtype, row)] = partial(tandem_run, stub, method, a.max_new_tokens, workers)
         return out
 
     return [plain, drafted]
@@ -168,7 +181,10 @@ def summarize(key: tuple, row: dict) -> dict:
         tokens, seconds, rounds, decoded, decoding = (sum(r[k] for r in runs) for k in (
             "tokens", "seconds", "rounds", "decode_tokens", "decode_seconds"))
         end_to_end = tokens / seconds if key[0] == "Tandem" else None
-        row.update(tok_s=decoded / decoding, end_to_end_tok_s=end_to_end, tokens=tokens,
+        # each worker's inference thread's share of the row's end-to-end time
+        busy = {k: sum(r["busy"][k] for r in runs if k in r.get("busy", {})) / seconds
+                for k in {k for r in runs for k in r.get("busy", {})}}
+        row.update(tok_s=decoded / decoding, end_to_end_tok_s=end_to_end, busy=busy, tokens=tokens,
                    tokens_per_round=tokens / rounds if rounds else None,
                    per_prompt_tok_s=[r["decode_tokens"] / r["decode_seconds"] for r in runs],
                    texts=[r["text"] for r in runs])
@@ -235,8 +251,8 @@ def main(argv=None) -> None:
         llama = "skipped (--no-llama)" if a.no_llama else "llama.cpp is not built here and could not be built (see the log above)"
     result.update(tandem=tandem, llama_cpp=llama, seconds=time.perf_counter() - start)
     print("\n| engine | precision | drafting | decoding tokens/s | vs llama.cpp plain, same precision "
-          "| end to end tokens/s | output = its own plain |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| end to end tokens/s | target busy | draft busy | output = its own plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     problems = []
 
     def line(engine: str, precision: str, method: str, row: dict, plain: dict, peer: dict | None) -> None:
@@ -247,7 +263,9 @@ def main(argv=None) -> None:
             problems.append(f"{engine} {precision} {method}: output differs from its plain decoding")
         vs = f"{row['tok_s'] / peer['tok_s']:.2f}x" if peer else "–"
         end_to_end = f"{row['end_to_end_tok_s']:.2f}" if engine == "Tandem" else "–"
-        print(f"| {engine} | {precision} | {method} | {row['tok_s']:.2f} | {vs} | {end_to_end} | {'yes' if same else 'NO'} |")
+        target, draft = (f"{row['busy'][k]:.0%}" if k in row.get("busy", {}) else "–" for k in ("target", "draft"))
+        print(f"| {engine} | {precision} | {method} | {row['tok_s']:.2f} | {vs} | {end_to_end} | {target} | {draft} "
+              f"| {'yes' if same else 'NO'} |")
 
     ran = {k: r for k, r in llama.items() if "error" not in r} if isinstance(llama, dict) else {}
     for dtype, rows in tandem.items():
@@ -258,7 +276,7 @@ def main(argv=None) -> None:
         for key, row in llama.items():
             precision, method = key.split("/")
             if key not in ran or f"{precision}/none" not in ran:
-                print(f"| llama.cpp | {precision} | {method} | failed: {row.get('error', 'no plain row')} | – | – | – |")
+                print(f"| llama.cpp | {precision} | {method} | failed: {row.get('error', 'no plain row')} | – | – | – | – | – |")
                 continue
             line("llama.cpp", precision, method, row, ran[f"{precision}/none"], ran[f"{precision}/none"])
         best_llama = max(r["tok_s"] for r in ran.values())
