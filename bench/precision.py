@@ -74,7 +74,6 @@ def tandem_run(stub, method: str, n_new: int, workers: dict[str, str], prompt: s
     in its inference thread meanwhile: one request at a time, so they are all this request's."""
     def busy() -> dict[str, float | None]:
         return {k: scrape(url, "counter").get(BUSY) for k, url in workers.items()}
-
     before = busy()
     run = timed_stream(stub, build_request(prompt, chat=True, max_new_tokens=n_new, method=method))
     after = busy()
@@ -128,9 +127,7 @@ def draft_row(draft_dtype: str) -> str:
 
 def llama_run(bin_dir, model, draft, n_new: int, threads: int, text: str) -> dict:
     run = llamacpp.generate(bin_dir, model, text, n_new, threads=threads, draft_gguf=draft)
-    # its own generation rate: the seconds its generated tokens took, prompt processing apart (its
-    # process's wall time holds the model's loading, so it has no end-to-end figure here)
-    seconds = run["tokens"] / run["gen_tokens_per_s"]
+    seconds = run["tokens"] / run["gen_tokens_per_s"]   # its own rate (its wall time holds the model's loading)
     return {"tokens": run["tokens"], "seconds": seconds, "rounds": 0, "text": run["text"],
             "decode_tokens": run["tokens"], "decode_seconds": seconds}
 
@@ -173,9 +170,8 @@ def interleaved(engines: dict, prompts: list[str], chat_texts: list[str], repeat
 
 
 def summarize(key: tuple, row: dict) -> dict:
-    """A row's runs (of every phase it ran in) as its decoding tokens/s (the tokens after the first
-    over their seconds: what llama.cpp reports), its end-to-end tokens/s (Tandem's: prompt included,
-    through the gateway), tokens per round and texts."""
+    """A row's runs (of every phase it ran in) as its decoding and (Tandem's) end-to-end tokens/s,
+    its workers' busy shares, tokens per round and texts."""
     runs = row.pop("runs")
     if "error" not in row and runs:
         tokens, seconds, rounds, decoded, decoding = (sum(r[k] for r in runs) for k in (
@@ -188,8 +184,8 @@ def summarize(key: tuple, row: dict) -> dict:
                    tokens_per_round=tokens / rounds if rounds else None,
                    per_prompt_tok_s=[r["decode_tokens"] / r["decode_seconds"] for r in runs],
                    texts=[r["text"] for r in runs])
-        also = f", {end_to_end:.2f} end to end" if end_to_end else ""
-        print(f"  {key[0]} {key[1]:8s} {key[2]:5s}: {row['tok_s']:.2f} tok/s decoding{also}", flush=True)
+        print(f"  {key[0]} {key[1]:8s} {key[2]:5s}: {row['tok_s']:.2f} tok/s decoding"
+              + (f", {end_to_end:.2f} end to end" if end_to_end else ""), flush=True)
     return row
 
 
