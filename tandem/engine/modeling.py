@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tandem.engine import gemm, rowgemm
 from tandem.engine.attention import ATTENTION, ForwardBatch
+from tandem.engine.decoder import Decoder
 from tandem.engine.kvpool import KVPool, SessionCache
 from tandem.engine.vocab import trim_output
 from tandem.speculation.tree import depths
@@ -71,11 +72,13 @@ class CausalLM:
     `kv_bytes`, when given, sizes it in bytes instead. `batch_invariant`: a token's logits are the
     same whichever other tokens share its pass (tandem.engine.attention; the linear layers are so
     at every precision, tandem.engine.gemm), as a target's must be for speculation to be lossless;
-    a draft runs faster without, and with an output layer of `vocab` tokens (`load_weights`)."""
+    a draft runs faster without, and with an output layer of `vocab` tokens (`load_weights`).
+    `lean`: run covered architectures through tandem.engine.decoder (the same numbers, faster)."""
 
     def __init__(self, spec: str, device: str = "cpu", threads: int | None = None,
                  dtype: str = "float32", kv_tokens: int = 16384, kv_bytes: int = 0,
-                 packed_gemm: bool = True, batch_invariant: bool = True, vocab: int = 0) -> None:
+                 packed_gemm: bool = True, batch_invariant: bool = True, vocab: int = 0,
+                 lean: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve(spec)
@@ -85,6 +88,9 @@ class CausalLM:
         # float32 and bfloat16 on the CPU only: int8 has its own kernels, and GPUs do not need it
         self.packed = packed_gemm and gemm.available() and gemm.pack_linears(self.model, batch_invariant) > 0
         self.pool = KVPool.for_model(self.model, kv_tokens, kv_bytes)
+        # transformers' forward, or the same operations without its modules' calls where covered
+        # (built on the layers as packed or quantized above)
+        self.decoder = Decoder.of(self.model) if lean else None
         self.device, self.dtype, self.batch_invariant = device, dtype, batch_invariant
         self.rows_alike = batch_invariant and gemm.rows_computed_alone(self.model)
         # n new tokens are fed as padded_length[n] (>= n) when that shape is measurably faster
@@ -183,12 +189,16 @@ class CausalLM:
                 positions.extend(cache.length - 1 + d for d in depths(tree))
             parts.append((cache.start, cache.length, n, cache.prefix_key(), tree))
         batch = ForwardBatch.build(self.pool, parts, self.batch_invariant)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                         position_ids=torch.tensor([positions], device=self.device), use_cache=False,
-                         logits_to_keep=torch.tensor(keep, device=self.device), tandem_batch=batch,
-                         output_hidden_states=bool(taps))
-        logits = out.logits[0].float().cpu()
-        features = torch.cat([out.hidden_states[t][0] for t in taps], -1).float().cpu() if taps else None
+        ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+        keep_t = torch.tensor(keep, device=self.device)
+        if self.decoder is not None:
+            logits, states = self.decoder(ids_t, positions_t, keep_t, batch, taps)
+        else:
+            out = self.model(input_ids=ids_t[None], position_ids=positions_t[None], use_cache=False,
+                             logits_to_keep=keep_t, tandem_batch=batch, output_hidden_states=bool(taps))
+            logits, states = out.logits[0], [out.hidden_states[t][0] for t in taps]
+        logits = logits.float().cpu()
+        features = torch.cat(states, -1).float().cpu() if taps else None
         results, at, fed = [], 0, 0
         for cache, token_ids, last, _ in items:
             kept = len(token_ids) if last is None else min(last, len(token_ids))
