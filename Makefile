@@ -1,12 +1,12 @@
 # Tandem: make setup | protos | kernels | run | run-head | test | test-unit | test-service | test-system | test-deploy | test-slow
-#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | bench-kernels | bench-variants | train-head | image | deploy-check
+#         | soak | bench | bench-load | bench-router | bench-passcost | bench-topology | bench-trees | bench-precision | bench-kernels | bench-decoder | bench-variants | train-head | image | deploy-check
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := tandem/v1/.stamp
 
-.PHONY: run-head train-head setup protos kernels run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision bench-kernels bench-variants bench-agreement image deploy-check image-check clean
+.PHONY: run-head train-head setup protos kernels run test test-unit test-service test-system test-deploy test-slow soak bench bench-load bench-router bench-passcost bench-topology bench-trees bench-precision bench-kernels bench-decoder bench-variants bench-agreement image deploy-check image-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -119,6 +119,10 @@ bench-variants: setup
 # The target's forward pass on Tandem's own CPU kernel against oneDNN's, by precision (bench/kernels.py).
 bench-kernels: setup
 	$(PY) -m bench.kernels
+
+# Forward passes through transformers' modules against the lean decoder (bench/decoder.py).
+bench-decoder: setup
+	$(PY) -m bench.decoder
 
 # How often a draft at each precision agrees with the target's greedy tokens, and its step (bench/agreement.py).
 bench-agreement: setup

@@ -30,6 +30,7 @@ phases, their runs counted together. A second table gives each row's tokens/s pe
     python -m bench.precision --quick     # 1 prompt, 24 tokens, float32 and int8 only
     python -m bench.precision --draft-vocab 32768   # and the draft scoring part of its vocabulary
     python -m bench.precision --dtypes int8 --repeats 3  # 8 bits only, each prompt three times
+    python -m bench.precision --draft-threads 1,2   # each draft on one thread and on two
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
     def drafted(opened: contextlib.ExitStack) -> dict:
         stack = opened.enter_context(Stack(a.target, a.draft, threads=a.threads, draft_workers=0,
                                            verify_args=verify_args, redis_url=redis_db(redis_url, 2)))
-        drafts = [(draft_row(d), ["--dtype", d]) for d in a.draft_dtypes.split(",")]
+        drafts = [(("model" if d == "int8" else f"model, {d} draft") + ("" if t == "1" else f", {t} threads"),
+                   ["--dtype", d, "--threads", t]) for d in a.draft_dtypes.split(",") for t in a.draft_threads.split(",")]
         if a.draft_vocab:
             drafts.append((f"model, vocab {a.draft_vocab}", ["--draft-vocab", str(a.draft_vocab)]))
         verify, rows = stack.address("verify_worker"), []
@@ -119,10 +121,6 @@ def tandem_phases(a, dtype: str, redis_url: str) -> list:
         return out
 
     return [plain, drafted]
-
-
-def draft_row(draft_dtype: str) -> str:
-    return "model" if draft_dtype == "int8" else f"model, {draft_dtype} draft"
 
 
 def llama_run(bin_dir, model, draft, n_new: int, threads: int, text: str) -> dict:
@@ -200,6 +198,7 @@ def main(argv=None) -> None:
     p.add_argument("--draft-dtypes", help="comma-separated draft dtypes (default int8, and int4 where it runs)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="also serve the draft model scoring this many token ids (draft_worker --draft-vocab)")
+    p.add_argument("--draft-threads", default="1", help="comma-separated thread counts of the draft worker")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--repeats", type=int, default=1, help="times each prompt goes to every engine")
     p.add_argument("--quick", action="store_true")
@@ -214,7 +213,7 @@ def main(argv=None) -> None:
           flush=True)
     result = {"machine": m, "setup": {k: getattr(a, k) for k in ("target", "draft", "threads", "prompts",
                                                                          "max_new_tokens", "dtypes", "draft_dtypes", "draft_vocab",
-                                                                         "repeats")}}
+                                                                         "draft_threads", "repeats")}}
     start = time.perf_counter()
     bin_dir = None if a.no_llama else llamacpp.build()
     tok = load_tokenizer(a.target)

@@ -60,8 +60,15 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TlsF
     raise TimeoutError(f"{address} did not become SERVING within {timeout:.0f}s")
 
 
-# Spin rounds of libgomp (GOMP_SPINCOUNT; about 0.1 ms) for a verify worker beside a draft model.
-VERIFY_SPINS = "10000"
+# Spin rounds of libgomp (GOMP_SPINCOUNT; about 0.1 ms) for a process that shares the cores with
+# another and runs OpenMP teams (Stack._spawn).
+SPINS = "10000"
+
+
+def last_value(args: list[str], flag: str) -> str | None:
+    """The value `flag` takes in `args` as argparse reads them (the last one given), or None."""
+    values = [args[i + 1] for i in range(len(args) - 1) if args[i] == flag]
+    return values[-1] if values else None
 
 
 @dataclass
@@ -113,15 +120,20 @@ class Stack:
         # The processes share this machine's cores. An OpenMP thread that spins while it waits
         # (OpenMP's default: about 3 ms) takes a core from another process's forward passes; one
         # that sleeps at once must be woken by each parallel region of a pass. So with a draft model
-        # beside it the verify worker spins VERIFY_SPINS rounds (the gaps between a pass's regions,
-        # not those between passes) and every other process sleeps at once; a verify worker without
-        # one keeps OpenMP's default. Measured in docs/benchmarks.md ("Measurements behind the
-        # code's rules"). Either variable set in the environment overrides all of this.
+        # beside it the verify worker spins SPINS rounds (the gaps between a pass's regions, not
+        # those between passes), as does a draft worker of more than one thread (a draft step of
+        # the 0.5B Qwen on two threads took 45 ms sleeping at once against 33 ms spinning), and
+        # every other process sleeps at once; a verify worker without one keeps OpenMP's default.
+        # Measured in docs/benchmarks.md ("Measurements behind the code's rules"). Either variable
+        # set in the environment overrides all of this.
         verify = name.startswith("verify_worker")
+        teams = name.startswith("draft_worker") and int(last_value(args, "--threads") or 1) > 1
         if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & (os.environ.keys() | self.extra_env.keys()):
             omp = {}                     # the caller's choice
-        elif verify:
-            omp = {} if self.draft == "none" else {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": VERIFY_SPINS}
+        elif verify and self.draft == "none":
+            omp = {}
+        elif verify or teams:
+            omp = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPINS}
         else:
             omp = {"OMP_WAIT_POLICY": "PASSIVE"}
         env = {**omp, **os.environ, **self.extra_env}

@@ -112,6 +112,23 @@ def test_each_process_waits_for_openmp_work_by_what_shares_its_cores(draft, set_
 
 
 @pytest.mark.unit
+def test_a_draft_worker_of_several_threads_spins_like_the_verify_worker(monkeypatch):
+    import subprocess
+
+    from tandem import launch
+    started = []
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, env, stderr: started.append(
+        (env.get("OMP_WAIT_POLICY"), env.get("GOMP_SPINCOUNT"))))
+    stack = launch.Stack("t", "a-model")
+    for name, args in (("draft_worker", ["--threads", "2"]), ("draft_worker-2", ["--threads", "2", "--threads", "1"]),
+                       ("draft_worker-3", ["--threads", "1", "--dtype", "int4", "--threads", "3"])):
+        stack._spawn(name, args, free_port())
+    assert started == [("PASSIVE", "10000"), ("PASSIVE", None), ("PASSIVE", "10000")]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("cpus, draft_threads, want", [
     ({}, 0, 1),                                               # beside the target: one thread
     ({"verify_worker": "0", "draft_worker": "0"}, 0, 1),      # pinned, but to the target's CPU
