@@ -121,9 +121,12 @@ class Stack:
         # (OpenMP's default: about 3 ms) takes a core from another process's forward passes; one
         # that sleeps at once must be woken by each parallel region of a pass. So with a draft model
         # beside it the verify worker spins SPINS rounds (the gaps between a pass's regions, not
-        # those between passes), as does a draft worker of more than one thread (a draft step of
-        # the 0.5B Qwen on two threads took 45 ms sleeping at once against 33 ms spinning), and
-        # every other process sleeps at once; a verify worker without one keeps OpenMP's default.
+        # those between passes), and every other process sleeps at once, except a draft worker
+        # given more than one thread: that is a choice for one stream, where the two processes
+        # take turns and a short spin costs the other nothing (a draft step of the int4 0.5B Qwen
+        # on two threads: 45 ms sleeping at once, 33 ms spinning), while under load, where they
+        # run at once and spinning costs (below), one thread has no team to wake. A verify worker
+        # without a draft model beside it keeps OpenMP's default.
         # Measured in docs/benchmarks.md ("Measurements behind the code's rules"). Either variable
         # set in the environment overrides all of this.
         verify = name.startswith("verify_worker")
