@@ -123,7 +123,7 @@ def test_int4_groups_sum_right_and_each_row_as_if_alone(which):
     w = torch.randint(-8, 8, (130, 1100), dtype=torch.int8)
     w[0], w[1] = 7, -8
     groups = -(-1100 // rowgemm.GROUP)
-    scales = torch.rand(130, groups) + 0.01
+    scales = (torch.rand(130, groups) + 0.01).half().float()      # stored as float16
     x = torch.randn(70, 1100)
     x[0], x[1] = 1.0, -1.0
     packed = rowgemm.pack_int4(w, scales)

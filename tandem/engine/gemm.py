@@ -175,7 +175,7 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int4Linear(torch.nn.Module):
-    """int4 weights in groups of rowgemm.GROUP inputs, a float32 scale per output and group (its
+    """int4 weights in groups of rowgemm.GROUP inputs, a float16 scale per output and group (its
     largest magnitude over 7), packed once; each call's rows quantized to int8 as Int8Linear's and
     multiplied on Tandem's kernel (rowgemm.linear_int4; AVX512-VNNI or AVX2). Half int8's bytes, for
     models whose steps are bound by reading their weights (a draft's)."""
@@ -189,7 +189,7 @@ class Int4Linear(torch.nn.Module):
             padded = torch.zeros(self.out_features, groups * rowgemm.GROUP)
             padded[:, :self.in_features] = w
             by_group = padded.view(self.out_features, groups, rowgemm.GROUP)
-            scales = by_group.abs().amax(2).clamp(min=1e-12) / 7
+            scales = rowgemm.int4_scales(by_group.abs().amax(2))
             int4 = torch.round(by_group / scales[..., None]).clamp_(-8, 7).to(torch.int8).flatten(1)
             self.packed = rowgemm.pack_int4(int4, scales)      # the padding quantized to zeros
         self.bias = linear.bias

@@ -27,6 +27,7 @@ constexpr int64_t KB = 512;   // inputs per block of a tile
 
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 
 // Runs Tile::run<R> over m rows: MAX rows at a time, then the rest in one call.
 template <typename Tile, int R, typename W, typename X, typename C>
@@ -514,17 +515,20 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
 //
 // Weights packed as [tiles, K / 8, NB, 4] bytes: the byte of output o at (p, j) holds weight
 // (o, 8p + j) + 8 in its low nibble and (o, 8p + 4 + j) + 8 in its high one, so one 64-byte load
-// unpacks to two of VNNI's quad registers. Inputs are the int8 path's rows (uint8 = int8 + 128, a
-// scale per row). Within a group the sums are exact integers; each group's sum, less 128 times the
-// group's weights' sum, times the group's scale, is added to a float32 accumulator in the order of
-// the groups: one order whatever the rows of a call or the thread split.
+// unpacks to two of VNNI's quad registers; a float16 scale per output and group. Inputs are the
+// int8 path's rows as signed bytes (a scale per row). The nibbles are multiplied as they are (0 to
+// 15, the unsigned operand of VNNI's and AVX2's byte products, the inputs the signed one), and
+// each group's sum then loses 8 times the group's inputs' sum: the exact integer sum of weights
+// times inputs, with no per-output offsets to read beside the weights. Each group's sum times its
+// scale is added to a float32 accumulator in the order of the groups: one order whatever the rows
+// of a call or the thread split.
 
 constexpr int64_t G = 64;     // inputs per group
 
 template <int R>
 TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
-                            const float* sw, const int32_t* off, int64_t groups, bool first) {
-  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+                            const uint16_t* sw, const int32_t* xs, int64_t ldxs, int64_t groups, bool first) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
   const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
   int64_t ld4 = ldx / 4;
   for (int64_t g = 0; g < groups; g++) {
@@ -536,40 +540,40 @@ TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, flo
       __m512i lo[4], hi[4];
       for (int i = 0; i < 4; i++) {
         __m512i v = _mm512_loadu_si512(wp + 64 * i);
-        lo[i] = _mm512_sub_epi8(_mm512_and_si512(v, low), eight);
-        hi[i] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight);
+        lo[i] = _mm512_and_si512(v, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
       for (int r = 0; r < R; r++) {
         __m512i xa = _mm512_set1_epi32(x4[r * ld4 + 2 * p]), xb = _mm512_set1_epi32(x4[r * ld4 + 2 * p + 1]);
-        for (int i = 0; i < 4; i++) a[r][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[r][i], xa, lo[i]), xb, hi[i]);
+        for (int i = 0; i < 4; i++) a[r][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[r][i], lo[i], xa), hi[i], xb);
       }
     }
     // the float32 sums live in c (in cache) between groups, leaving the registers to the rows
     bool fresh = first && g == 0;
     for (int i = 0; i < 4; i++) {
-      __m512 s = _mm512_loadu_ps(sw + g * NB + 16 * i);
-      __m512i o = _mm512_loadu_si512(off + g * NB + 16 * i);
+      __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + g * NB + 16 * i)));
       for (int r = 0; r < R; r++) {
         float* cr = c + r * ldc + 16 * i;
         __m512 sum = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(cr);
-        _mm512_storeu_ps(cr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][i], o)), s, sum));
+        __m512i exact = _mm512_sub_epi32(a[r][i], _mm512_set1_epi32(8 * xs[r * ldxs + g]));
+        _mm512_storeu_ps(cr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, sum));
       }
     }
   }
 }
 
-// AVX2: vpmaddubsw adds the products of a pair of k's in int16, exactly: with 4-bit weights a
-// pair is at most 2 * 255 * 8 in magnitude, and the low and high nibbles' pairs of Q consecutive
-// quad pairs at most 2 * 2 * 255 * 8 * Q, within int16 for Q = 4. vpmaddwd by ones then adds an
+// AVX2: vpmaddubsw adds the products of a pair of k's in int16, exactly: with nibbles of 0 to 15
+// and inputs of -128 to 127 a pair is at most 2 * 15 * 128 in magnitude, and the low and high
+// nibbles' pairs of Q consecutive quad pairs at most 2 * 2 * 15 * 128 * Q, within int16 for Q = 4. vpmaddwd by ones then adds an
 // output's two int16 sums into int32. The group's sums are VNNI's exact integers, scaled and added
 // to c by the same float32 operations, so a row's result is the same on either ISA. V vectors (8 V
 // outputs) of a tile, R rows.
 constexpr int64_t Q = 4;
 
 template <int R, int V>
-TARGET_AVX2 void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
-                             const float* sw, const int32_t* off, int64_t groups, bool first) {
-  const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+TARGET_AVX2_F16C void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
+                                  const uint16_t* sw, const int32_t* xs, int64_t ldxs, int64_t groups, bool first) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int32_t* x4 = reinterpret_cast<const int32_t*>(x);
   int64_t ld4 = ldx / 4;
   for (int64_t g = 0; g < groups; g++) {
@@ -589,11 +593,11 @@ TARGET_AVX2 void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ldx, fl
         }
         for (int v = 0; v < V; v++) {
           __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * v));
-          __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, low), eight);
-          __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), eight);
+          __m256i lo = _mm256_and_si256(b, low);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
           for (int r = 0; r < R; r++)
-            s[r][v] = _mm256_add_epi16(s[r][v], _mm256_add_epi16(_mm256_maddubs_epi16(xa[r], lo),
-                                                                 _mm256_maddubs_epi16(xb[r], hi)));
+            s[r][v] = _mm256_add_epi16(s[r][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]),
+                                                                 _mm256_maddubs_epi16(hi, xb[r])));
         }
       }
       for (int r = 0; r < R; r++)
@@ -601,12 +605,12 @@ TARGET_AVX2 void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ldx, fl
     }
     bool fresh = first && g == 0;
     for (int v = 0; v < V; v++) {
-      __m256 sc = _mm256_loadu_ps(sw + g * NB + 8 * v);
-      __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off + g * NB + 8 * v));
+      __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sw + g * NB + 8 * v)));
       for (int r = 0; r < R; r++) {
         float* cr = c + r * ldc + 8 * v;
         __m256 sum = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(cr);
-        _mm256_storeu_ps(cr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][v], o)), sc, sum));
+        __m256i exact = _mm256_sub_epi32(a[r][v], _mm256_set1_epi32(8 * xs[r * ldxs + g]));
+        _mm256_storeu_ps(cr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), sc, sum));
       }
     }
   }
@@ -618,7 +622,8 @@ int64_t best_int4() {
   static const int64_t best = [] {
     __builtin_cpu_init();
     if (has_vnni()) return INT4_VNNI;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? INT4_AVX2 : INT4_NONE;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")
+               ? INT4_AVX2 : INT4_NONE;
   }();
   return best;
 }
@@ -627,14 +632,15 @@ int64_t best_int4() {
 // int8 kernel, a row at a time over the whole tile below SHARED_FROM rows, else quarters, 3 rows
 // at a time.
 void tile_int4(int64_t isa, const uint8_t* w, const uint8_t* x, int64_t ldx, float* c, int64_t ldc,
-               const float* sw, const int32_t* off, int64_t m, int64_t groups, bool first) {
-  using Part = void (*)(const uint8_t*, const uint8_t*, int64_t, float*, int64_t, const float*, const int32_t*,
-                        int64_t, bool);
+               const uint16_t* sw, const int32_t* xs, int64_t ldxs, int64_t m, int64_t groups, bool first) {
+  using Part = void (*)(const uint8_t*, const uint8_t*, int64_t, float*, int64_t, const uint16_t*, const int32_t*,
+                        int64_t, int64_t, bool);
   auto blocks = [&](int64_t most, Part full, const Part* fewer, int64_t o0) {
     int64_t r = 0;
     for (; r + most <= m; r += most)
-      full(w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, off + o0, groups, first);
-    if (r < m) fewer[m - r](w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, off + o0, groups, first);
+      full(w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, xs + r * ldxs, ldxs, groups, first);
+    if (r < m)
+      fewer[m - r](w + 4 * o0, x + r * ldx, ldx, c + r * ldc + o0, ldc, sw + o0, xs + r * ldxs, ldxs, groups, first);
   };
   if (isa == INT4_VNNI) {
     static const Part fewer[] = {nullptr, tile_vnni4<1>, tile_vnni4<2>, tile_vnni4<3>};
@@ -649,11 +655,10 @@ void tile_int4(int64_t isa, const uint8_t* w, const uint8_t* x, int64_t ldx, flo
 }
 
 // x [M, K] float32 -> [M, N] float32: each row quantized as for int8 (k padded with zeros to the
-// weight's K, a multiple of G), the grouped sums above, times the row's scale. packed
-// [tiles, K / 8, NB, 4] uint8; scales and offsets [tiles, K / G, NB] (offsets: 128 times each
-// group's weights' sum).
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
-                       const at::Tensor& scales, int64_t n, int64_t which) {
+// weight's K, a multiple of G), as signed bytes, the grouped sums above, times the row's scale.
+// packed [tiles, K / 8, NB, 4] uint8; scales [tiles, K / G, NB] float16.
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                       int64_t which) {
   int64_t best = best_int4();
   if (which == INT4_NONE) which = best;
   TORCH_CHECK(best != INT4_NONE, "rowgemm_linear_int4: int4 layers need AVX512-VNNI or AVX2");
@@ -665,9 +670,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
                   packed.scalar_type() == at::kByte, "rowgemm_linear_int4: not packed in nibbles");
   int64_t tiles = packed.size(0), kw = 8 * packed.size(1), m = x.size(0), k = x.size(1), groups = kw / G;
   TORCH_CHECK(kw % G == 0 && k <= kw && k > kw - G, "rowgemm_linear_int4: x has ", k, " features, the weight ", kw);
-  TORCH_CHECK(scales.sizes() == offsets.sizes() && scales.numel() == tiles * groups * NB && scales.is_contiguous() &&
-                  offsets.is_contiguous() && scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kInt,
-              "rowgemm_linear_int4: scales and offsets are [tiles, groups, ", NB, "]");
+  TORCH_CHECK(scales.numel() == tiles * groups * NB && scales.is_contiguous() && scales.scalar_type() == at::kHalf,
+              "rowgemm_linear_int4: scales are float16 [tiles, groups, ", NB, "]");
   TORCH_CHECK(n <= tiles * NB, "rowgemm_linear_int4: ", n, " outputs");
   auto q = at::empty({m, kw}, x.options().dtype(at::kByte));
   auto row_scale = at::empty({m}, x.options());
@@ -678,12 +682,24 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* rs = row_scale.data_ptr<float>();
   auto quantize = has_avx512() ? quantize_row512 : quantize_row;
+  auto sums = at::empty({m, groups}, x.options().dtype(at::kInt));     // each row's inputs' sum by group
+  int32_t* xs = sums.data_ptr<int32_t>();
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) quantize(xp + r * k, k, kw, qp + r * kw, rs + r);
+    for (int64_t r = r0; r < r1; r++) {
+      uint8_t* row = qp + r * kw;
+      quantize(xp + r * k, k, kw, row, rs + r);
+      for (int64_t g = 0; g < groups; g++) {
+        int32_t total = 0;
+        for (int64_t j = g * G; j < (g + 1) * G; j++) {
+          row[j] ^= 0x80;                                 // uint8 (int8 + 128) -> int8's bits
+          total += static_cast<int8_t>(row[j]);
+        }
+        xs[r * groups + g] = total;
+      }
+    }
   });
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* sw = scales.data_ptr<float>();
-  const int32_t* off = offsets.data_ptr<int32_t>();
+  const uint16_t* sw = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* cp = c.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t ldc = tiles * NB;
@@ -692,7 +708,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t k0 = 0; k0 < kw; k0 += KB) {
         const uint8_t* wb = w + (t * kw + k0) * NB / 2;
         int64_t at = (t * groups + k0 / G) * NB, blocks = std::min(KB, kw - k0) / G;
-        tile_int4(which, wb, qp + k0, kw, cp + t * NB, ldc, sw + at, off + at, m, blocks, k0 == 0);
+        tile_int4(which, wb, qp + k0, kw, cp + t * NB, ldc, sw + at, xs + k0 / G, groups, m, blocks, k0 == 0);
       }
       int64_t j1 = std::min(n, (t + 1) * NB);
       for (int64_t r = 0; r < m; r++)
@@ -795,6 +811,6 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rowgemm_linear_int8(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
         linear_int8);
   m.def("rowgemm_int4_isa() -> int", [] { return best_int4(); });
-  m.def("rowgemm_linear_int4(Tensor x, Tensor packed, Tensor offsets, Tensor scales, int n, int which=0) -> Tensor",
+  m.def("rowgemm_linear_int4(Tensor x, Tensor packed, Tensor scales, int n, int which=0) -> Tensor",
         linear_int4);
 }

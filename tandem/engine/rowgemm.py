@@ -14,7 +14,7 @@ construction, tests/test_rowgemm.py).
   exact (tandem.engine.gemm keeps it on CPUs with neither). Where the CPU has AMX-INT8 tiles, a
   call of 4 rows or more (a verify pass, a prefill) runs on them, from the same packed weights:
   the same exact sums, so a row's result does not depend on which unit its call took.
-- int4 weights in groups of GROUP inputs, a float32 scale per output and group, on AVX512-VNNI or
+- int4 weights in groups of GROUP inputs, a float16 scale per output and group, on AVX512-VNNI or
   AVX2 (`int4`): a group's sum exact in integers on either, groups added in order in float32 by
   the same operations, so a row's result is the same in any call and on either ISA. Half int8's
   bytes: a draft model's steps, bound by reading its weights.
@@ -157,29 +157,34 @@ def int4_isa() -> str:
     return ("none", "avx2", "avx512-vnni")[_ops().rowgemm_int4_isa()] if available() else "none"
 
 
-def pack_int4(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [out, in] int8 in -8..7, scales [out, groups] float32 (groups of GROUP inputs, the
-    last zero-padded) -> `linear_int4`'s (packed nibbles, offsets, scales): the nibbles as
-    rowgemm.cpp lays them out, each +8; offsets 128 times each group's weights' sum."""
+def pack_int4(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] int8 in -8..7, scales [out, groups] (groups of GROUP inputs, the last
+    zero-padded; stored as float16, so give values float16 holds) -> `linear_int4`'s (packed
+    nibbles, scales): the nibbles as rowgemm.cpp lays them out, each +8."""
     n, k = weight.shape
     tiles, groups = -(-n // NB), scales.shape[1]
     w = torch.zeros(tiles * NB, groups * GROUP, dtype=torch.int32)
     w[:n, :k] = weight
     nibbles = (w + 8).to(torch.uint8).view(tiles, NB, groups * GROUP // 8, 2, 4)
     packed = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
-    offsets = 128 * w.view(tiles, NB, groups, GROUP).sum(-1, dtype=torch.int32)
-    padded = torch.zeros(tiles * NB, groups)
+    padded = torch.zeros(tiles * NB, groups, dtype=torch.float16)
     padded[:n] = scales
-    return packed, offsets.transpose(1, 2).contiguous(), padded.view(tiles, NB, groups).transpose(1, 2).contiguous()
+    return packed, padded.view(tiles, NB, groups).transpose(1, 2).contiguous()
 
 
-def linear_int4(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                out_features: int, which: int = 0) -> torch.Tensor:
+def int4_scales(largest: torch.Tensor) -> torch.Tensor:
+    """Each group's scale from its largest magnitude: over 7, as float16 holds it (at least its
+    smallest normal number), in float32."""
+    return (largest / 7).clamp(min=2.0 ** -14).half().float()
+
+
+def linear_int4(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], out_features: int,
+                which: int = 0) -> torch.Tensor:
     """x [rows, in] float32 -> [rows, out_features] float32 in one call: each row quantized as for
     `linear_int8`, each group's exact sum times its scale, added group by group in order, times
     the row's scale. which: 0 the best ISA here, 1 AVX2, 2 AVX512-VNNI (tests)."""
-    weights, offsets, scales = packed
-    return _ops().rowgemm_linear_int4(x.contiguous(), weights, offsets, scales, out_features, which)
+    weights, scales = packed
+    return _ops().rowgemm_linear_int4(x.contiguous(), weights, scales, out_features, which)
 
 
 def pack(weight: torch.Tensor, in_pairs: bool = False) -> torch.Tensor:
