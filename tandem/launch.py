@@ -65,12 +65,6 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TlsF
 SPINS = "10000"
 
 
-def last_value(args: list[str], flag: str) -> str | None:
-    """The value `flag` takes in `args` as argparse reads them (the last one given), or None."""
-    values = [args[i + 1] for i in range(len(args) - 1) if args[i] == flag]
-    return values[-1] if values else None
-
-
 @dataclass
 class Stack:
     """Verify workers, draft workers and a gateway as processes on loopback ports, coordinated
@@ -121,16 +115,15 @@ class Stack:
         # (OpenMP's default: about 3 ms) takes a core from another process's forward passes; one
         # that sleeps at once must be woken by each parallel region of a pass. So with a draft model
         # beside it the verify worker spins SPINS rounds (the gaps between a pass's regions, not
-        # those between passes), and every other process sleeps at once, except a draft worker
-        # given more than one thread: that is a choice for one stream, where the two processes
-        # take turns and a short spin costs the other nothing (a draft step of the int4 0.5B Qwen
-        # on two threads: 45 ms sleeping at once, 33 ms spinning), while under load, where they
-        # run at once and spinning costs (below), one thread has no team to wake. A verify worker
-        # without a draft model beside it keeps OpenMP's default.
+        # those between passes), and so does a draft worker given several threads (a choice for one
+        # stream, where the two take turns: a two-thread step of the int4 0.5B Qwen took 45 ms
+        # sleeping at once, 33 spinning); every other process sleeps at once (one draft thread has
+        # no team to wake), and a verify worker without a draft model keeps OpenMP's default.
         # Measured in docs/benchmarks.md ("Measurements behind the code's rules"). Either variable
         # set in the environment overrides all of this.
         verify = name.startswith("verify_worker")
-        teams = name.startswith("draft_worker") and int(last_value(args, "--threads") or 1) > 1
+        threads = [value for flag, value in zip(args, args[1:]) if flag == "--threads"]   # the last counts
+        teams = name.startswith("draft_worker") and int((threads or ["1"])[-1]) > 1
         if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & (os.environ.keys() | self.extra_env.keys()):
             omp = {}                     # the caller's choice
         elif verify and self.draft == "none":
