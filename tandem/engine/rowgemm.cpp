@@ -555,7 +555,7 @@ TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, flo
       for (int r = 0; r < R; r++) {
         float* cr = c + r * ldc + 16 * i;
         __m512 sum = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(cr);
-        __m512i exact = _mm512_sub_epi32(a[r][i], _mm512_set1_epi32(8 * xs[r * ldxs + g]));
+        __m512i exact = _mm512_sub_epi32(a[r][i], _mm512_set1_epi32(xs[r * ldxs + g]));
         _mm512_storeu_ps(cr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, sum));
       }
     }
@@ -564,8 +564,8 @@ TARGET_VNNI void tile_vnni4(const uint8_t* w, const uint8_t* x, int64_t ldx, flo
 
 // AVX2: vpmaddubsw adds the products of a pair of k's in int16, exactly: with nibbles of 0 to 15
 // and inputs of -128 to 127 a pair is at most 2 * 15 * 128 in magnitude, and the low and high
-// nibbles' pairs of Q consecutive quad pairs at most 2 * 2 * 15 * 128 * Q, within int16 for Q = 4. vpmaddwd by ones then adds an
-// output's two int16 sums into int32. The group's sums are VNNI's exact integers, scaled and added
+// nibbles' pairs of Q consecutive quad pairs at most 2 * 2 * 15 * 128 * Q, within int16 for Q = 4.
+// vpmaddwd by ones then adds an output's two int16 sums into int32. The group's sums are VNNI's exact integers, scaled and added
 // to c by the same float32 operations, so a row's result is the same on either ISA. V vectors (8 V
 // outputs) of a tile, R rows.
 constexpr int64_t Q = 4;
@@ -609,7 +609,7 @@ TARGET_AVX2_F16C void part_avx2_4(const uint8_t* w, const uint8_t* x, int64_t ld
       for (int r = 0; r < R; r++) {
         float* cr = c + r * ldc + 8 * v;
         __m256 sum = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(cr);
-        __m256i exact = _mm256_sub_epi32(a[r][v], _mm256_set1_epi32(8 * xs[r * ldxs + g]));
+        __m256i exact = _mm256_sub_epi32(a[r][v], _mm256_set1_epi32(xs[r * ldxs + g]));
         _mm256_storeu_ps(cr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), sc, sum));
       }
     }
@@ -682,7 +682,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* rs = row_scale.data_ptr<float>();
   auto quantize = has_avx512() ? quantize_row512 : quantize_row;
-  auto sums = at::empty({m, groups}, x.options().dtype(at::kInt));     // each row's inputs' sum by group
+  auto sums = at::empty({m, groups}, x.options().dtype(at::kInt));     // 8 times each row's inputs' sum by group
   int32_t* xs = sums.data_ptr<int32_t>();
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
@@ -694,7 +694,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
           row[j] ^= 0x80;                                 // uint8 (int8 + 128) -> int8's bits
           total += static_cast<int8_t>(row[j]);
         }
-        xs[r * groups + g] = total;
+        xs[r * groups + g] = 8 * total;
       }
     }
   });
